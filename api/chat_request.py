@@ -1,0 +1,147 @@
+"""Turn an HTTP chat-completions body into a ``CallEnvelope``, or a precise 4xx.
+
+Parsing is done here rather than by FastAPI's body binding so that each kind of bad input gets
+its own stable code (malformed JSON, missing messages, bad ``max_tokens``...) instead of one
+generic validation error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from broker.errors import InvalidRequest
+from broker.settings import ApiSettings
+from schemas.openai import ChatCompletionRequest
+from schemas.vocab import ErrorCode, Tier
+from schemas.wire import CallEnvelope, ChatMessage, SamplingParams
+
+TIMEOUT_HEADER = "X-Kvgate-Timeout"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than ``limit`` bytes without reading past it."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> InvalidRequest:
+    return InvalidRequest(ErrorCode.BODY_TOO_LARGE, f"request body exceeds {limit} bytes")
+
+
+def parse_chat_request(body: bytes, settings: ApiSettings) -> ChatCompletionRequest:
+    try:
+        raw: Any = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(ErrorCode.INVALID_JSON, f"request body is not valid JSON: {exc}")
+    if not isinstance(raw, dict):
+        raise InvalidRequest(ErrorCode.INVALID_REQUEST, "request body must be a JSON object")
+    if "messages" not in raw:
+        raise InvalidRequest(
+            ErrorCode.MISSING_MESSAGES, "'messages' is required", param="messages"
+        )
+    try:
+        chat = ChatCompletionRequest.model_validate(raw)
+    except ValidationError as exc:
+        raise _from_validation_error(exc) from None
+
+    if chat.model != settings.served_model_name:
+        raise InvalidRequest(
+            ErrorCode.MODEL_NOT_FOUND,
+            f"model {chat.model!r} does not exist; this server serves "
+            f"{settings.served_model_name!r}",
+            param="model",
+        )
+    if chat.n != 1:
+        raise InvalidRequest(ErrorCode.UNSUPPORTED_PARAMETER, "only n=1 is supported", param="n")
+    max_tokens = chat.requested_max_tokens()
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise InvalidRequest(
+                ErrorCode.INVALID_MAX_TOKENS, "max_tokens must be at least 1", param="max_tokens"
+            )
+        if max_tokens > settings.max_tokens_limit:
+            raise InvalidRequest(
+                ErrorCode.MAX_TOKENS_TOO_LARGE,
+                f"max_tokens {max_tokens} exceeds this server's limit of "
+                f"{settings.max_tokens_limit}",
+                param="max_tokens",
+            )
+    return chat
+
+
+def _from_validation_error(exc: ValidationError) -> InvalidRequest:
+    first = exc.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    field = loc[0] if loc else ""
+    message = f"{'.'.join(loc) or 'body'}: {first['msg']}"
+    if field == "messages":
+        return InvalidRequest(ErrorCode.INVALID_MESSAGES, message, param="messages")
+    if field in ("max_tokens", "max_completion_tokens"):
+        return InvalidRequest(ErrorCode.INVALID_MAX_TOKENS, message, param=field)
+    if field == "model":
+        return InvalidRequest(ErrorCode.INVALID_REQUEST, message, param="model")
+    return InvalidRequest(ErrorCode.INVALID_PARAMETER, message, param=field or None)
+
+
+def call_timeout_s(request: Request, settings: ApiSettings) -> float:
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return settings.default_deadline_s
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= settings.max_deadline_s):
+        raise InvalidRequest(
+            ErrorCode.INVALID_PARAMETER,
+            f"{TIMEOUT_HEADER} must be a number of seconds in (0, {settings.max_deadline_s:g}]",
+            param=TIMEOUT_HEADER,
+        )
+    return value
+
+
+def to_envelope(
+    chat: ChatCompletionRequest,
+    settings: ApiSettings,
+    *,
+    tier: Tier,
+    timeout_s: float,
+    session_id: str | None = None,
+) -> CallEnvelope:
+    now_ms = int(time.time() * 1000)
+    call_id = uuid.uuid4().hex
+    return CallEnvelope(
+        call_id=call_id,
+        # Until session admission lands, a call with no session is a session of one call.
+        session_id=session_id or call_id,
+        tier=tier,
+        model=chat.model,
+        messages=tuple(ChatMessage(m.role, m.text()) for m in chat.messages),
+        sampling=SamplingParams(
+            max_tokens=chat.requested_max_tokens() or settings.default_max_tokens,
+            temperature=chat.temperature,
+            top_p=chat.top_p,
+            stop=chat.stop_sequences(),
+            seed=chat.seed,
+            presence_penalty=chat.presence_penalty,
+            frequency_penalty=chat.frequency_penalty,
+        ),
+        deadline_ms=now_ms + int(timeout_s * 1000),
+        created_ms=now_ms,
+    )

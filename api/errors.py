@@ -1,0 +1,110 @@
+"""Errors to HTTP responses, in one place, in OpenAI's error shape.
+
+Every error body is ``{"error": {"message", "type", "code", "param"}}``, plus ``retry_after``
+(seconds, equal to the ``Retry-After`` header) where waiting helps. Nothing reaches a client as
+a bare 500: an unexpected exception becomes ``internal_error`` and is logged with its trace.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from broker.errors import KvgateError, RetryableError
+from schemas.openai import ErrorBody, ErrorDetail
+from schemas.vocab import ErrorCode
+
+log = logging.getLogger(__name__)
+
+STATUS_BY_CODE: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_JSON: 400,
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.MISSING_MESSAGES: 400,
+    ErrorCode.INVALID_MESSAGES: 400,
+    ErrorCode.INVALID_MAX_TOKENS: 400,
+    ErrorCode.MAX_TOKENS_TOO_LARGE: 400,
+    ErrorCode.INVALID_PARAMETER: 400,
+    ErrorCode.UNSUPPORTED_PARAMETER: 400,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
+    ErrorCode.MODEL_NOT_FOUND: 404,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.BODY_TOO_LARGE: 413,
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
+    ErrorCode.CANCELLED: 499,
+    ErrorCode.INTERNAL_ERROR: 500,
+    ErrorCode.WORKER_LOST: 502,
+    ErrorCode.ENGINE_ERROR: 502,
+    ErrorCode.QUEUE_FULL: 503,
+    ErrorCode.BROKER_UNAVAILABLE: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def error_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_error"
+    if status < 500:
+        return "invalid_request_error"
+    if status == 503:
+        return "service_unavailable_error"
+    if status == 504:
+        return "timeout_error"
+    return "server_error"
+
+
+def error_body(exc: KvgateError) -> ErrorBody:
+    status = STATUS_BY_CODE[exc.code]
+    return ErrorBody(
+        error=ErrorDetail(
+            message=exc.message, type=error_type(status), code=exc.code.value, param=exc.param
+        ),
+        retry_after=exc.retry_after if isinstance(exc, RetryableError) else None,
+    )
+
+
+def error_response(exc: KvgateError) -> JSONResponse:
+    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, RetryableError) else None
+    return JSONResponse(error_body(exc).to_json(), STATUS_BY_CODE[exc.code], headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_kvgate_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, KvgateError)
+        return error_response(exc)
+
+    async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
+        return error_response(
+            KvgateError(
+                ErrorCode.INVALID_REQUEST,
+                str(first.get("msg", "invalid request")),
+                param=".".join(loc) or None,
+            )
+        )
+
+    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}.get(
+            exc.status_code, ErrorCode.INVALID_REQUEST
+        )
+        status = exc.status_code if exc.status_code < 500 else 500
+        body = ErrorBody(
+            error=ErrorDetail(message=str(exc.detail), type=error_type(status), code=code.value)
+        )
+        return JSONResponse(body.to_json(), status, headers=getattr(exc, "headers", None))
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(KvgateError(ErrorCode.INTERNAL_ERROR, "internal error"))
+
+    app.add_exception_handler(KvgateError, on_kvgate_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,176 @@
+"""``POST /v1/chat/completions``: OpenAI-compatible, streamed (SSE) or not."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from api.calls import Restarted, failure_error, follow_call
+from api.chat_request import call_timeout_s, parse_chat_request, read_body, to_envelope
+from api.deps import FrontDoorDep
+from api.errors import error_body
+from api.replies import ReplyEvent
+from broker.errors import KvgateError
+from schemas.openai import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    Delta,
+    Usage,
+)
+from schemas.vocab import ErrorCode
+from schemas.wire import CallEnvelope, Done, Failed, TokenDelta
+
+router = APIRouter(tags=["chat"])
+
+CALL_ID_HEADER = "X-Kvgate-Call"
+
+_BODY_SCHEMA = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": ChatCompletionRequest.model_json_schema()}},
+    }
+}
+
+
+@router.post("/v1/chat/completions", openapi_extra=_BODY_SCHEMA, response_model=None)
+async def create_chat_completion(
+    request: Request, door: FrontDoorDep
+) -> JSONResponse | StreamingResponse:
+    settings = door.settings
+    chat = parse_chat_request(await read_body(request, settings.max_body_bytes), settings)
+    call = to_envelope(
+        chat, settings, tier=settings.default_tier, timeout_s=call_timeout_s(request, settings)
+    )
+    events = follow_call(door, call)
+    headers = {CALL_ID_HEADER: call.call_id}
+    if not chat.stream:
+        async with contextlib.aclosing(events):
+            completion = await _collect(call, events)
+        return JSONResponse(completion.model_dump(), headers=headers)
+    include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+    # Wait for the first event before answering, so that anything that goes wrong before the
+    # first token (deadline, full queue, a rejected prompt) is a proper HTTP status.
+    try:
+        first = await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+    if isinstance(first, list) and first and isinstance(first[0], Failed):
+        await events.aclose()
+        raise failure_error(first[0])
+    return StreamingResponse(
+        _sse(call, first, events, include_usage),
+        media_type="text/event-stream",
+        headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _collect(
+    call: CallEnvelope, events: AsyncIterator[list[ReplyEvent] | Restarted]
+) -> ChatCompletion:
+    parts: list[str] = []
+    async for item in events:
+        if isinstance(item, Restarted):
+            parts.clear()  # nothing was sent yet: the new attempt's answer replaces it
+            continue
+        for event in item:
+            if isinstance(event, TokenDelta):
+                parts.append(event.text)
+            elif isinstance(event, Failed):
+                raise failure_error(event)
+            else:
+                return ChatCompletion(
+                    id=_completion_id(call),
+                    created=call.created_ms // 1000,
+                    model=call.model,
+                    choices=[
+                        Choice(
+                            message=AssistantMessage(content="".join(parts)),
+                            finish_reason=event.finish_reason.value,
+                        )
+                    ],
+                    usage=_usage(event),
+                )
+    raise KvgateError(ErrorCode.WORKER_LOST, "the reply ended without a terminal event")
+
+
+async def _sse(
+    call: CallEnvelope,
+    first: list[ReplyEvent] | Restarted,
+    events: AsyncGenerator[list[ReplyEvent] | Restarted, None],
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    chunk_id = _completion_id(call)
+    created = int(time.time())
+
+    def chunk(delta: Delta, finish: str | None = None, usage: Usage | None = None) -> bytes:
+        choices = [] if usage is not None else [ChunkChoice(delta=delta, finish_reason=finish)]
+        body = ChatCompletionChunk(
+            id=chunk_id, created=created, model=call.model, choices=choices, usage=usage
+        )
+        return b"data: " + body.model_dump_json().encode() + b"\n\n"
+
+    def error(exc: KvgateError) -> bytes:
+        return b"data: " + json.dumps(error_body(exc).to_json()).encode() + b"\n\n"
+
+    yield chunk(Delta(role="assistant", content=""))
+    sent_tokens = False
+
+    async def items() -> AsyncIterator[list[ReplyEvent] | Restarted]:
+        yield first
+        async for item in events:
+            yield item
+
+    try:
+        async for item in items():
+            if isinstance(item, Restarted):
+                if sent_tokens:
+                    # The client already holds tokens of the lost attempt; splicing another
+                    # attempt's tokens after them would corrupt the answer.
+                    yield error(
+                        KvgateError(ErrorCode.WORKER_LOST, "the worker was lost mid-stream")
+                    )
+                    yield b"data: [DONE]\n\n"
+                    return
+                continue
+            text = "".join(e.text for e in item if isinstance(e, TokenDelta))
+            if text:
+                yield chunk(Delta(content=text))
+                sent_tokens = True
+            terminal = item[-1] if item else None
+            if isinstance(terminal, Done):
+                yield chunk(Delta(), finish=terminal.finish_reason.value)
+                if include_usage:
+                    yield chunk(Delta(), usage=_usage(terminal))
+                yield b"data: [DONE]\n\n"
+                return
+            if isinstance(terminal, Failed):
+                yield error(failure_error(terminal))
+                yield b"data: [DONE]\n\n"
+                return
+    except KvgateError as exc:
+        yield error(exc)
+        yield b"data: [DONE]\n\n"
+    finally:
+        await events.aclose()
+
+
+def _completion_id(call: CallEnvelope) -> str:
+    return f"chatcmpl-{call.call_id}"
+
+
+def _usage(done: Done) -> Usage:
+    return Usage(
+        prompt_tokens=done.usage.prompt_tokens,
+        completion_tokens=done.usage.completion_tokens,
+        total_tokens=done.usage.total_tokens,
+    )

@@ -1,0 +1,42 @@
+"""Liveness and readiness.
+
+``/healthz`` answers while the process runs. ``/readyz`` answers 200 only when a call could be
+served now: NATS connected, the calls stream present, and at least one live, non-draining
+worker heartbeat. Otherwise 503 with what is missing, so a load balancer and a person both see
+why.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from nats.js.errors import Error as JetStreamError
+
+from api.deps import FrontDoorDep
+from schemas.wire import STREAM_NAME
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", response_model=None)
+async def readyz(door: FrontDoorDep) -> JSONResponse:
+    checks: dict[str, Any] = {"nats": door.nc.is_connected}
+    try:
+        await door.js.stream_info(STREAM_NAME)
+        checks["stream"] = True
+    except (JetStreamError, TimeoutError) as exc:
+        checks["stream"] = False
+        checks["stream_error"] = str(exc) or type(exc).__name__
+    workers = door.fleet.serving(int(time.time() * 1000))
+    checks["workers"] = len(workers)
+    ready = bool(checks["nats"] and checks["stream"] and workers)
+    body = {"status": "ready" if ready else "not_ready", "checks": checks}
+    return JSONResponse(body, status_code=200 if ready else 503)

@@ -1,0 +1,166 @@
+"""The ``kvgate`` command.
+
+::
+
+    kvgate model build DIR     build the small local development model
+    kvgate nats                run the embedded NATS server (JetStream, loopback only)
+    kvgate worker --model DIR  run one worker (one per GPU) embedding vLLM
+    kvgate api                 run the front door
+    kvgate up                  all of the above on one machine, for development
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from broker.settings import DEFAULT_NATS_PORT
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def cmd_model_build(args: argparse.Namespace) -> int:
+    from workers.devmodel import DevModelSpec, build, is_built
+
+    directory = Path(args.dir)
+    if is_built(directory) and not args.force:
+        print(f"model already built at {directory}")
+        return 0
+    build(directory, DevModelSpec())
+    print(f"built the development model at {directory}")
+    return 0
+
+
+def cmd_nats(args: argparse.Namespace) -> int:
+    from broker.natsserver import EmbeddedNats
+
+    server = EmbeddedNats(Path(args.store_dir), port=args.port).start()
+    print(f"NATS with JetStream on {server.url} (store {args.store_dir}); Ctrl-C stops it")
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+        server.stop()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = server.wait()
+    return 0 if stop else code
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from broker.settings import WorkerSettings
+    from workers.main import serve
+
+    overrides = {
+        key: value
+        for key, value in {
+            "model": args.model,
+            "served_model_name": args.served_model_name,
+            "max_num_seqs": args.max_num_seqs,
+            "max_model_len": args.max_model_len,
+            "block_size": args.block_size,
+            "num_gpu_blocks_override": args.num_gpu_blocks_override,
+            "enforce_eager": args.enforce_eager or None,
+            "worker_id": args.worker_id,
+        }.items()
+        if value is not None
+    }
+    settings = WorkerSettings(**overrides)
+    return asyncio.run(serve(settings))
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api.app import create_app
+    from broker.settings import ApiSettings
+
+    overrides = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
+    settings = ApiSettings(**overrides)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from broker.supervisor import Supervisor
+
+    return Supervisor(
+        data_dir=Path(args.data_dir),
+        model_dir=Path(args.model) if args.model else None,
+        host=args.host,
+        port=args.port,
+        nats_port=args.nats_port,
+    ).run()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--log-level", default=os.environ.get("KVGATE_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="development model").add_subparsers(
+        dest="model_command", required=True
+    )
+    build = model.add_parser("build", help="build the small local model into DIR")
+    build.add_argument("dir")
+    build.add_argument("--force", action="store_true", help="rebuild even if present")
+    build.set_defaults(func=cmd_model_build)
+
+    nats_p = sub.add_parser("nats", help="run the embedded NATS server")
+    nats_p.add_argument("--port", type=int, default=DEFAULT_NATS_PORT, help="0 picks a free one")
+    nats_p.add_argument("--store-dir", default=".kvgate/nats")
+    nats_p.set_defaults(func=cmd_nats)
+
+    worker = sub.add_parser("worker", help="run a worker (settings also from KVGATE_WORKER_*)")
+    worker.add_argument("--model", help="model directory (KVGATE_WORKER_MODEL)")
+    worker.add_argument("--served-model-name")
+    worker.add_argument("--max-num-seqs", type=int)
+    worker.add_argument("--max-model-len", type=int)
+    worker.add_argument("--block-size", type=int)
+    worker.add_argument("--num-gpu-blocks-override", type=int)
+    worker.add_argument("--enforce-eager", action="store_true")
+    worker.add_argument("--worker-id")
+    worker.set_defaults(func=cmd_worker)
+
+    api = sub.add_parser("api", help="run the front door (settings also from KVGATE_*)")
+    api.add_argument("--host")
+    api.add_argument("--port", type=int)
+    api.set_defaults(func=cmd_api)
+
+    up = sub.add_parser("up", help="embedded NATS + one worker + the front door")
+    up.add_argument("--data-dir", default=".kvgate")
+    up.add_argument("--model", help="model directory (default: DATA_DIR/model, built if missing)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--nats-port", type=int, default=0, help="default: a free port")
+    up.set_defaults(func=cmd_up)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.log_level)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

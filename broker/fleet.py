@@ -1,0 +1,70 @@
+"""The front door's view of the worker fleet, kept current from the ``KVGATE_WORKERS`` bucket.
+
+A reading older than ``max_age_s`` is not a live worker: a stale heartbeat means "unknown",
+never "idle". ``FleetView`` is plain data (the admission policy reads it without I/O);
+``FleetWatcher`` feeds it from a KV watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import msgspec
+from nats.js.kv import KeyValue
+
+from schemas.wire import WorkerHeartbeat, decode_heartbeat
+
+log = logging.getLogger(__name__)
+
+
+class FleetView:
+    def __init__(self, max_age_s: float) -> None:
+        self.max_age_ms = int(max_age_s * 1000)
+        self._workers: dict[str, WorkerHeartbeat] = {}
+
+    def update(self, key: str, value: bytes | None) -> None:
+        """Apply one bucket entry; ``None`` (a delete) removes the worker."""
+        if value is None:
+            self._workers.pop(key, None)
+            return
+        try:
+            self._workers[key] = decode_heartbeat(value)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            log.warning("ignoring malformed heartbeat under key %r", key)
+
+    def live(self, now_ms: int) -> list[WorkerHeartbeat]:
+        """Workers whose last heartbeat is fresh, draining ones included."""
+        return [hb for hb in self._workers.values() if now_ms - hb.sent_ms <= self.max_age_ms]
+
+    def serving(self, now_ms: int) -> list[WorkerHeartbeat]:
+        return [hb for hb in self.live(now_ms) if not hb.draining]
+
+
+class FleetWatcher:
+    def __init__(self, kv: KeyValue, view: FleetView) -> None:
+        self._kv = kv
+        self.view = view
+        self._task: asyncio.Task[None] | None = None
+        self._watcher: KeyValue.KeyWatcher | None = None
+
+    async def start(self) -> None:
+        self._watcher = await self._kv.watchall()
+        self._task = asyncio.create_task(self._run(self._watcher))
+
+    async def _run(self, watcher: KeyValue.KeyWatcher) -> None:
+        async for entry in watcher:
+            if entry is None:  # end of the initial values
+                continue
+            deleted = entry.operation in ("DEL", "PURGE")
+            self.view.update(entry.key, None if deleted else entry.value)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._watcher is not None:
+            with contextlib.suppress(Exception):
+                await self._watcher.stop()

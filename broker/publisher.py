@@ -1,0 +1,61 @@
+"""Publish admitted calls onto their tier's JetStream subject, with the deadline attached."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import nats.errors
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NoStreamResponseError
+
+from broker.errors import BrokerUnavailable, DeadlineExceeded, QueueFull
+from schemas.wire import STREAM_NAME, WIRE_VERSION, CallEnvelope, Header, encode
+
+# JetStream API error codes (server's `err_code`) that mean the stream is at its limits.
+_STREAM_FULL_CODES = frozenset({10077, 10047, 10028})
+
+
+def call_headers(call: CallEnvelope, reply_inbox: str) -> dict[str, str]:
+    return {
+        Header.CALL: call.call_id,
+        Header.MSG_ID: call.call_id,
+        Header.SESSION: call.session_id,
+        Header.TIER: call.tier.value,
+        Header.DEADLINE: str(call.deadline_ms),
+        Header.REPLY: reply_inbox,
+        Header.VERSION: str(WIRE_VERSION),
+    }
+
+
+class CallPublisher:
+    def __init__(self, js: JetStreamContext, *, timeout: float = 2.0) -> None:
+        self._js = js
+        self._timeout = timeout
+
+    async def publish(self, call: CallEnvelope, reply_inbox: str, *, now_ms: int) -> int:
+        """Queue ``call`` and return its stream sequence.
+
+        ``Nats-TTL`` is the time left to the deadline, rounded up to whole seconds (the
+        server's granularity), so the server never drops a call that could still start.
+        """
+        remaining_ms = call.deadline_ms - now_ms
+        if remaining_ms <= 0:
+            raise DeadlineExceeded("the call's deadline passed before it was queued")
+        ttl_s = max(1, math.ceil(remaining_ms / 1000))
+        try:
+            ack = await self._js.publish(
+                call.tier.subject,
+                encode(call),
+                timeout=self._timeout,
+                stream=STREAM_NAME,
+                headers=call_headers(call, reply_inbox),
+                msg_ttl=ttl_s,
+            )
+        except APIError as exc:
+            if exc.err_code in _STREAM_FULL_CODES:
+                raise QueueFull(f"the {call.tier.value} queue is full: {exc.description}") from exc
+            raise BrokerUnavailable(f"JetStream refused the call: {exc.description}") from exc
+        except (NoStreamResponseError, nats.errors.Error, asyncio.TimeoutError) as exc:
+            raise BrokerUnavailable(f"JetStream did not accept the call: {exc!r}") from exc
+        return int(ack.seq)

@@ -1,0 +1,88 @@
+"""Settings for every kvgate process, read from ``KVGATE_*`` environment variables.
+
+Built by the process entry points (``kvgate api``, ``kvgate worker``), never at import time, so
+tests can build as many differently configured instances as they need.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas.vocab import Tier
+
+# kvgate's development NATS port. Not 4222, so that `kvgate nats` never collides with a NATS
+# server a developer already runs on the standard port.
+DEFAULT_NATS_PORT = 4333
+
+
+class StreamSettings(BaseSettings):
+    """JetStream layout. Changing these on a live stream updates it at the next start-up."""
+
+    model_config = SettingsConfigDict(env_prefix="KVGATE_STREAM_", extra="ignore")
+
+    replicas: int = Field(default=1, ge=1, le=5)
+    max_msgs: int = Field(default=100_000, ge=1)
+    max_bytes: int = Field(default=1 << 30, ge=1 << 20)
+    # Long enough for one in-progress heartbeat interval of the worker; workers refresh it
+    # while generating, so a dead worker's calls come back after at most this long.
+    ack_wait_s: float = Field(default=30.0, gt=0)
+    max_deliver: int = Field(default=3, ge=1)
+    max_ack_pending: int = Field(default=10_000, ge=1)
+    duplicate_window_s: float = Field(default=120.0, gt=0)
+    # A worker's heartbeat entry expires this long after its last put, so a dead worker
+    # leaves the fleet view on its own.
+    worker_ttl_s: float = Field(default=10.0, ge=1.0)
+
+
+class ApiSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
+
+    nats_url: str = f"nats://127.0.0.1:{DEFAULT_NATS_PORT}"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Model names this front door accepts. The fleet serves one model; its workers advertise
+    # the same name in their heartbeats.
+    served_model_name: str = "kvgate-dev"
+    default_tier: Tier = Tier.STANDARD
+    default_deadline_s: float = Field(default=120.0, gt=0)
+    max_deadline_s: float = Field(default=3600.0, gt=0)
+    default_max_tokens: int = Field(default=256, ge=1)
+    max_tokens_limit: int = Field(default=8192, ge=1)
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    # After the first event of a call, the longest silence tolerated from its worker.
+    stream_idle_timeout_s: float = Field(default=60.0, gt=0)
+    heartbeat_max_age_s: float = Field(default=6.0, gt=0)
+    stream: StreamSettings = Field(default_factory=StreamSettings)
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVGATE_WORKER_", extra="ignore", populate_by_name=True
+    )
+
+    nats_url: str = Field(
+        default=f"nats://127.0.0.1:{DEFAULT_NATS_PORT}",
+        validation_alias="KVGATE_NATS_URL",
+    )
+    model: Path = Path(".kvgate/model")
+    served_model_name: str = Field(default="kvgate-dev", validation_alias="KVGATE_SERVED_MODEL_NAME")
+    worker_id: str | None = None
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    block_size: int | None = None
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    dtype: str = "auto"
+    enforce_eager: bool = False
+    cpu_kvcache_space_gib: int = 1
+    heartbeat_interval_s: float = Field(default=2.0, gt=0)
+    # How long one pull request waits at the server for work before it is renewed.
+    pull_expires_s: float = Field(default=10.0, gt=0.1)
+    # SIGTERM: how long in-flight calls may run before they are handed back.
+    drain_grace_s: float = Field(default=30.0, ge=0)
+    nak_delay_s: float = Field(default=1.0, ge=0)
+    stream: StreamSettings = Field(default_factory=StreamSettings)

@@ -1,0 +1,66 @@
+"""``kvgate worker``: start the engine once, then serve until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from broker.settings import WorkerSettings
+from workers.engine import EngineDeadError
+from workers.worker import Worker, WorkerOptions, default_worker_id
+
+log = logging.getLogger(__name__)
+
+
+def engine_config(settings: WorkerSettings) -> object:
+    from workers.vllm_engine import VllmEngineConfig
+
+    return VllmEngineConfig(
+        model=str(settings.model),
+        served_model_name=settings.served_model_name,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        block_size=settings.block_size,
+        num_gpu_blocks_override=settings.num_gpu_blocks_override,
+        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        dtype=settings.dtype,
+        enforce_eager=settings.enforce_eager,
+        cpu_kvcache_space_gib=settings.cpu_kvcache_space_gib,
+    )
+
+
+async def serve(settings: WorkerSettings) -> int:
+    """Exit status: 0 after a clean drain, 1 when the engine died."""
+    from workers.vllm_engine import VllmEngine, VllmEngineConfig
+
+    if not (settings.model / "config.json").is_file():
+        log.error("no model at %s (build one with `kvgate model build %s`)", settings.model, settings.model)
+        return 2
+    config = engine_config(settings)
+    assert isinstance(config, VllmEngineConfig)
+    engine = await VllmEngine.start(config)
+    worker = Worker(
+        engine,
+        WorkerOptions(
+            nats_url=settings.nats_url,
+            worker_id=settings.worker_id or default_worker_id(),
+            heartbeat_interval_s=settings.heartbeat_interval_s,
+            pull_expires_s=settings.pull_expires_s,
+            drain_grace_s=settings.drain_grace_s,
+            nak_delay_s=settings.nak_delay_s,
+            stream=settings.stream,
+        ),
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop)
+    try:
+        await worker.run()
+        log.info("worker drained, exiting")
+        return 0
+    except EngineDeadError:
+        return 1
+    finally:
+        engine.shutdown()

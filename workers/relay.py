@@ -1,0 +1,45 @@
+"""Reply events for one attempt of one call, published on core NATS to the caller's inbox."""
+
+from __future__ import annotations
+
+from nats.aio.client import Client as NATS
+
+from schemas.vocab import ErrorCode, FinishReason
+from schemas.wire import Done, Failed, TokenDelta, Usage, encode
+
+
+class ReplyRelay:
+    """Numbers events from 0 and refuses anything after the terminal event, so a caller never
+    sees two endings for one attempt."""
+
+    def __init__(self, nc: NATS, inbox: str, attempt: int) -> None:
+        self._nc = nc
+        self._inbox = inbox
+        self._attempt = attempt
+        self._seq = 0
+        self.tokens_sent = 0
+        self.finished = False
+
+    async def token(self, text: str, tokens: int) -> None:
+        await self._send(TokenDelta(self._next(), self._attempt, text, tokens))
+        self.tokens_sent += tokens
+
+    async def done(self, finish_reason: FinishReason, usage: Usage) -> None:
+        await self._send(Done(self._next(), self._attempt, finish_reason, usage))
+        self.finished = True
+
+    async def fail(self, code: ErrorCode, message: str) -> None:
+        if self.finished:
+            return
+        await self._send(Failed(self._next(), self._attempt, code, message))
+        self.finished = True
+
+    def _next(self) -> int:
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    async def _send(self, event: TokenDelta | Done | Failed) -> None:
+        if self.finished:
+            raise RuntimeError("reply already finished")
+        await self._nc.publish(self._inbox, encode(event))
