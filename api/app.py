@@ -27,9 +27,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nc = await nats.connect(
-            settings.nats_url, name="kvgate-api", max_reconnect_attempts=-1
-        )
+        nc = await nats.connect(settings.nats_url, name="kvgate-api", max_reconnect_attempts=-1)
         try:
             js = nc.jetstream()
             await provision_calls(js, settings.stream)

@@ -48,13 +48,13 @@ def parse_chat_request(body: bytes, settings: ApiSettings) -> ChatCompletionRequ
     try:
         raw: Any = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(ErrorCode.INVALID_JSON, f"request body is not valid JSON: {exc}")
+        raise InvalidRequest(
+            ErrorCode.INVALID_JSON, f"request body is not valid JSON: {exc}"
+        ) from None
     if not isinstance(raw, dict):
         raise InvalidRequest(ErrorCode.INVALID_REQUEST, "request body must be a JSON object")
     if "messages" not in raw:
-        raise InvalidRequest(
-            ErrorCode.MISSING_MESSAGES, "'messages' is required", param="messages"
-        )
+        raise InvalidRequest(ErrorCode.MISSING_MESSAGES, "'messages' is required", param="messages")
     try:
         chat = ChatCompletionRequest.model_validate(raw)
     except ValidationError as exc:

@@ -67,4 +67,4 @@ class FleetWatcher:
                 await self._task
         if self._watcher is not None:
             with contextlib.suppress(Exception):
-                await self._watcher.stop()
+                await self._watcher.stop()  # type: ignore[no-untyped-call]

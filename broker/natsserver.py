@@ -78,14 +78,19 @@ class EmbeddedNats:
         ]  # fmt: skip
         if self.log_file is not None:
             cmd += ["--log", str(self.log_file)]
-        self._proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        # Output goes to a file, not a pipe: a pipe nobody reads would fill and stall the server.
+        output = self.store_dir / "nats-server.out"
+        with output.open("wb") as sink:
+            self._proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
-                raise NatsServerError(f"nats-server exited at start ({self._proc.returncode}): {err}")
+                err = output.read_text(errors="replace")[-2000:]
+                raise NatsServerError(
+                    f"nats-server exited at start ({self._proc.returncode}): {err}"
+                )
             port = self._read_port(ports_dir)
             if port is not None and _jetstream_ready(self.host, port):
                 self.port = port

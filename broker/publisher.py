@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import nats.errors
@@ -56,6 +55,6 @@ class CallPublisher:
             if exc.err_code in _STREAM_FULL_CODES:
                 raise QueueFull(f"the {call.tier.value} queue is full: {exc.description}") from exc
             raise BrokerUnavailable(f"JetStream refused the call: {exc.description}") from exc
-        except (NoStreamResponseError, nats.errors.Error, asyncio.TimeoutError) as exc:
+        except (TimeoutError, NoStreamResponseError, nats.errors.Error) as exc:
             raise BrokerUnavailable(f"JetStream did not accept the call: {exc!r}") from exc
         return int(ack.seq)

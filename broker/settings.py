@@ -68,7 +68,9 @@ class WorkerSettings(BaseSettings):
         validation_alias="KVGATE_NATS_URL",
     )
     model: Path = Path(".kvgate/model")
-    served_model_name: str = Field(default="kvgate-dev", validation_alias="KVGATE_SERVED_MODEL_NAME")
+    served_model_name: str = Field(
+        default="kvgate-dev", validation_alias="KVGATE_SERVED_MODEL_NAME"
+    )
     worker_id: str | None = None
     max_model_len: int = 2048
     max_num_seqs: int = 16

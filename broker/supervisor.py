@@ -67,9 +67,7 @@ class Supervisor:
                 [*cli, "worker", "--model", str(self.model_dir), "--enforce-eager"],
                 env,
             )
-            self._spawn(
-                "api", [*cli, "api", "--host", self.host, "--port", str(self.port)], env
-            )
+            self._spawn("api", [*cli, "api", "--host", self.host, "--port", str(self.port)], env)
             code = self._wait_ready()
             if code is None:
                 url = f"http://{self.host}:{self.port}"
@@ -135,6 +133,8 @@ class Supervisor:
             try:
                 proc.wait(grace)
             except subprocess.TimeoutExpired:
-                print(f"kvgate {name} did not stop within {grace:.0f}s; killing it", file=sys.stderr)
+                print(
+                    f"kvgate {name} did not stop within {grace:.0f}s; killing it", file=sys.stderr
+                )
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()

@@ -36,7 +36,11 @@ async def serve(settings: WorkerSettings) -> int:
     from workers.vllm_engine import VllmEngine, VllmEngineConfig
 
     if not (settings.model / "config.json").is_file():
-        log.error("no model at %s (build one with `kvgate model build %s`)", settings.model, settings.model)
+        log.error(
+            "no model at %s (build one with `kvgate model build %s`)",
+            settings.model,
+            settings.model,
+        )
         return 2
     config = engine_config(settings)
     assert isinstance(config, VllmEngineConfig)

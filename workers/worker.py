@@ -41,8 +41,8 @@ from workers.engine import (
     EngineRequest,
     EngineRequestError,
 )
-from workers.pullplan import TierView, plan_pulls
 from workers.puller import TierPuller
+from workers.pullplan import TierView, plan_pulls
 from workers.relay import ReplyRelay
 
 log = logging.getLogger(__name__)
@@ -262,7 +262,9 @@ class Worker:
         await self._put_heartbeat(draining=True)
         tasks = [entry.task for entry in self._inflight.values()]
         if tasks:
-            log.info("draining %d in-flight calls (grace %.0fs)", len(tasks), self.options.drain_grace_s)
+            log.info(
+                "draining %d in-flight calls (grace %.0fs)", len(tasks), self.options.drain_grace_s
+            )
             _, pending = await asyncio.wait(tasks, timeout=self.options.drain_grace_s)
             for entry in list(self._inflight.values()):
                 if entry.task in pending:

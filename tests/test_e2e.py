@@ -1,0 +1,252 @@
+"""End to end: real NATS, a real vLLM CPU worker, the real front door served by uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Stack
+
+MODEL = "kvgate-dev"
+
+
+def chat_body(content: str = "hello", max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        **extra,
+    }
+
+
+def sse_events(raw: bytes) -> list[str]:
+    # Split on "\n" only: the small model emits characters that str.splitlines() treats as
+    # line ends.
+    return [
+        line.removeprefix("data: ")
+        for line in raw.decode().split("\n")
+        if line.startswith("data: ")
+    ]
+
+
+async def test_readyz_reports_the_worker(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url) as client:
+        resp = await client.get("/readyz")
+    assert resp.status_code == 200
+    assert resp.json()["checks"] == {"nats": True, "stream": True, "workers": 1}
+
+
+async def test_models_lists_the_served_model(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url) as client:
+        resp = await client.get("/v1/models")
+    assert resp.status_code == 200
+    assert [m["id"] for m in resp.json()["data"]] == [MODEL]
+
+
+async def test_non_streamed_completion_over_http(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body(max_tokens=9))
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["choices"][0]["message"]["content"]
+    assert body["choices"][0]["finish_reason"] == "length"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 9
+    assert usage["prompt_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 9
+    assert resp.headers["x-kvgate-call"]
+
+
+async def test_streamed_completion_over_http(stack: Stack) -> None:
+    body = chat_body(max_tokens=12, stream=True, stream_options={"include_usage": True})
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(resp.content)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    finish_at = next(
+        i for i, c in enumerate(chunks) if c["choices"] and c["choices"][0]["finish_reason"]
+    )
+    content = [c["choices"][0]["delta"].get("content") for c in chunks[:finish_at] if c["choices"]]
+    assert "".join(x or "" for x in content), "no content before the finish chunk"
+    assert chunks[finish_at]["choices"][0]["finish_reason"] == "length"
+    # The usage chunk comes last, with no choices.
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+    assert finish_at == len(chunks) - 2
+
+
+async def test_openai_client_non_streamed_and_streamed(stack: Stack) -> None:
+    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused")
+    try:
+        completion = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6
+        )
+        assert completion.choices[0].message.content
+        assert completion.usage is not None and completion.usage.completion_tokens == 6
+
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, finish, usage = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert text
+        assert finish == "length"
+        assert usage is not None and usage.completion_tokens == 6
+    finally:
+        await client.close()
+
+
+async def test_concurrent_calls_get_their_own_replies(stack: Stack) -> None:
+    """Two calls in flight at once, each with a distinct prompt length and max_tokens: each
+    answer carries exactly its own counts, so no event crossed between reply inboxes."""
+    long_prompt = " ".join(["the agent reads the file"] * 30)
+    cases = [("hi", 7), (long_prompt, 23)]
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        solo = [
+            (await client.post("/v1/chat/completions", json=chat_body(p, 1))).json()["usage"]
+            for p, _ in cases
+        ]
+
+        async def one(prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+            extra: dict[str, Any] = {}
+            if stream:
+                extra = {"stream": True, "stream_options": {"include_usage": True}}
+            resp = await client.post(
+                "/v1/chat/completions", json=chat_body(prompt, max_tokens, **extra)
+            )
+            assert resp.status_code == 200, resp.text
+            if not stream:
+                return dict(resp.json()["usage"])
+            events = sse_events(resp.content)
+            return dict(json.loads(events[-2])["usage"])
+
+        for stream in (False, True):
+            usages = await asyncio.gather(*(one(p, n, stream) for p, n in cases))
+            for usage, (_, max_tokens), alone in zip(usages, cases, solo, strict=True):
+                assert usage["completion_tokens"] == max_tokens
+                assert usage["prompt_tokens"] == alone["prompt_tokens"]
+    assert solo[0]["prompt_tokens"] < solo[1]["prompt_tokens"]
+
+
+BAD_INPUTS = [
+    pytest.param(b"{not json", 400, "invalid_json", id="malformed-json"),
+    pytest.param(b"[1, 2]", 400, "invalid_request", id="not-an-object"),
+    pytest.param(json.dumps({"model": MODEL}).encode(), 400, "missing_messages", id="no-messages"),
+    pytest.param(
+        json.dumps({"model": MODEL, "messages": []}).encode(),
+        400,
+        "invalid_messages",
+        id="empty-messages",
+    ),
+    pytest.param(
+        json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}).encode(),
+        400,
+        "invalid_messages",
+        id="bad-role",
+    ),
+    pytest.param(
+        json.dumps(chat_body(max_tokens=-5)).encode(),
+        400,
+        "invalid_max_tokens",
+        id="negative-max-tokens",
+    ),
+    pytest.param(
+        json.dumps(chat_body(max_tokens=10**9)).encode(),
+        400,
+        "max_tokens_too_large",
+        id="huge-max-tokens",
+    ),
+    pytest.param(
+        json.dumps({**chat_body(), "max_tokens": "lots"}).encode(),
+        400,
+        "invalid_max_tokens",
+        id="string-max-tokens",
+    ),
+    pytest.param(
+        json.dumps({**chat_body(), "model": "gpt-nope"}).encode(),
+        404,
+        "model_not_found",
+        id="unknown-model",
+    ),
+    pytest.param(
+        json.dumps({**chat_body(), "temperature": 9}).encode(),
+        400,
+        "invalid_parameter",
+        id="bad-temperature",
+    ),
+    pytest.param(
+        json.dumps({**chat_body(), "n": 3}).encode(), 400, "unsupported_parameter", id="n-above-1"
+    ),
+    pytest.param(
+        json.dumps(chat_body(content="x" * (2 << 20))).encode(),
+        413,
+        "body_too_large",
+        id="oversized-body",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "code"), BAD_INPUTS)
+async def test_bad_input_gets_its_code_and_the_server_keeps_serving(
+    stack: Stack, body: bytes, status: int, code: str
+) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        resp = await client.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
+        assert resp.status_code == status, resp.text
+        error = resp.json()["error"]
+        assert error["code"] == code
+        assert error["message"]
+        assert set(error) == {"message", "type", "code", "param"}
+        ok = await client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
+        assert ok.status_code == 200
+
+
+async def test_prompt_longer_than_the_context_is_a_400_from_the_worker(stack: Stack) -> None:
+    body = chat_body(content=" ".join(["token"] * 3000), max_tokens=4)
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        for stream in (False, True):
+            resp = await client.post("/v1/chat/completions", json={**body, "stream": stream})
+            assert resp.status_code == 400
+            assert resp.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_openai_client_sees_the_error_code(stack: Stack) -> None:
+    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+    try:
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client.chat.completions.create(
+                model="gpt-nope", messages=[{"role": "user", "content": "x"}]
+            )
+        assert caught.value.code == "model_not_found"
+    finally:
+        await client.close()
+
+
+async def test_unknown_route_and_method_are_json_errors(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url) as client:
+        missing = await client.get("/v2/nothing")
+        wrong = await client.get("/v1/chat/completions")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"

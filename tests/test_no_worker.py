@@ -1,0 +1,62 @@
+"""The front door with no worker running: calls end with a timeout error at their deadline."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from broker.natsserver import EmbeddedNats
+from tests.procs import start_api
+
+
+@pytest.fixture
+def lonely_api(nats_server: EmbeddedNats, tmp_path: Path) -> Iterator[str]:
+    proc, base = start_api(nats_server.url, tmp_path)
+    try:
+        yield base
+    finally:
+        proc.stop()
+
+
+BODY = {"model": "kvgate-dev", "messages": [{"role": "user", "content": "anyone?"}]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_call_times_out_at_its_deadline(lonely_api: str, stream: bool) -> None:
+    async with httpx.AsyncClient(base_url=lonely_api, timeout=30) as client:
+        started = time.monotonic()
+        resp = await client.post(
+            "/v1/chat/completions",
+            json={**BODY, "stream": stream},
+            headers={"X-Kvgate-Timeout": "1.5"},
+        )
+        elapsed = time.monotonic() - started
+    assert resp.status_code == 504
+    body = resp.json()
+    assert body["error"]["code"] == "deadline_exceeded"
+    assert body["retry_after"] == int(resp.headers["retry-after"])
+    assert 1.4 <= elapsed < 5, elapsed
+
+
+async def test_readyz_is_503_without_workers(lonely_api: str) -> None:
+    async with httpx.AsyncClient(base_url=lonely_api) as client:
+        resp = await client.get("/readyz")
+        live = await client.get("/healthz")
+    assert resp.status_code == 503
+    assert resp.json()["checks"]["workers"] == 0
+    assert resp.json()["checks"]["nats"] is True
+    assert live.status_code == 200
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "99999999"])
+async def test_bad_timeout_header_is_a_400(lonely_api: str, value: str) -> None:
+    async with httpx.AsyncClient(base_url=lonely_api) as client:
+        resp = await client.post(
+            "/v1/chat/completions", json=BODY, headers={"X-Kvgate-Timeout": value}
+        )
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "X-Kvgate-Timeout"

@@ -1,0 +1,81 @@
+"""Raw pull credit against a real JetStream consumer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from broker.publisher import CallPublisher
+from broker.settings import StreamSettings
+from broker.streams import provision_calls
+from schemas.vocab import Tier
+from tests.test_streams import make_call
+from workers.puller import TierPuller
+
+
+async def test_a_call_arrives_at_once_on_open_credit_and_credit_is_counted(nc: NATS) -> None:
+    js = nc.jetstream()
+    await provision_calls(js, StreamSettings())
+    received: list[tuple[float, Msg]] = []
+    arrived = asyncio.Event()
+
+    def on_message(tier: Tier, msg: Msg) -> None:
+        received.append((time.monotonic(), msg))
+        arrived.set()
+
+    puller = TierPuller(nc, Tier.STANDARD, on_message, lambda: None, expires_s=30)
+    await puller.start()
+    await puller.request(3)
+    await nc.flush()
+    assert puller.outstanding == 3
+
+    published = time.monotonic()
+    call = make_call("c1")
+    await CallPublisher(js).publish(call, "_INBOX.x", now_ms=call.created_ms)
+    await asyncio.wait_for(arrived.wait(), 5)
+    # Delivered on the open request, not after the request's 30 s expiry.
+    assert received[0][0] - published < 1.0
+    assert received[0][1].headers is not None
+    assert received[0][1].headers["Kvgate-Call"] == "c1"
+    assert puller.outstanding == 2
+    await received[0][1].ack()
+    await puller.stop()
+
+
+async def test_expired_requests_release_their_credit(nc: NATS) -> None:
+    js = nc.jetstream()
+    await provision_calls(js, StreamSettings())
+    changed = asyncio.Event()
+    puller = TierPuller(nc, Tier.BESTEFFORT, lambda t, m: None, changed.set, expires_s=0.3)
+    await puller.start()
+    await puller.request(4)
+    assert puller.outstanding == 4
+    await asyncio.wait_for(changed.wait(), 5)
+    assert puller.outstanding == 0
+    await puller.stop()
+
+
+async def test_backlog_is_read_from_the_delivered_message(nc: NATS) -> None:
+    js = nc.jetstream()
+    await provision_calls(js, StreamSettings())
+    publisher = CallPublisher(js)
+    for i in range(5):
+        call = make_call(f"c{i}", tier=Tier.GUARANTEED)
+        await publisher.publish(call, "_INBOX.x", now_ms=call.created_ms)
+    got: list[Msg] = []
+    arrived = asyncio.Event()
+
+    def on_message(tier: Tier, msg: Msg) -> None:
+        got.append(msg)
+        arrived.set()
+
+    puller = TierPuller(nc, Tier.GUARANTEED, on_message, lambda: None, expires_s=5)
+    await puller.start()
+    await puller.request(1)
+    await asyncio.wait_for(arrived.wait(), 5)
+    assert len(got) == 1
+    assert puller.backlog == 4
+    await puller.stop()

@@ -1,0 +1,43 @@
+"""The worker's pure fetch step."""
+
+from __future__ import annotations
+
+from schemas.vocab import Tier
+from workers.pullplan import TierView, plan_pulls
+
+G, S, B = Tier.GUARANTEED, Tier.STANDARD, Tier.BESTEFFORT
+
+
+def views(*rows: tuple[int, int]) -> list[TierView]:
+    return [TierView(t, o, b) for t, (o, b) in zip((G, S, B), rows, strict=True)]
+
+
+def test_idle_worker_rings_a_doorbell_on_every_tier() -> None:
+    assert plan_pulls(16, views((0, 0), (0, 0), (0, 0))) == {G: 1, S: 1, B: 1}
+
+
+def test_no_room_asks_for_nothing() -> None:
+    assert plan_pulls(0, views((0, 5), (0, 5), (0, 5))) == {}
+    assert plan_pulls(-3, views((0, 5), (0, 5), (0, 5))) == {}
+
+
+def test_doorbells_go_to_the_highest_tiers_first_when_room_is_short() -> None:
+    assert plan_pulls(2, views((0, 0), (0, 0), (0, 0))) == {G: 1, S: 1}
+
+
+def test_known_backlog_is_asked_for_highest_tier_first() -> None:
+    # Doorbells already open everywhere; 10 free slots; guaranteed has 4 waiting, besteffort 20.
+    plan = plan_pulls(10, views((1, 4), (1, 0), (1, 20)))
+    assert plan == {G: 3, B: 7}
+
+
+def test_credit_already_open_counts_against_the_backlog() -> None:
+    assert plan_pulls(10, views((5, 5), (1, 0), (1, 0))) == {}
+
+
+def test_the_plan_never_exceeds_the_free_slots() -> None:
+    for free in range(0, 20):
+        for backlog in (0, 3, 50):
+            plan = plan_pulls(free, views((0, backlog), (0, backlog), (1, backlog)))
+            assert sum(plan.values()) <= max(free, 0)
+            assert all(n > 0 for n in plan.values())

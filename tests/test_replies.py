@@ -1,0 +1,50 @@
+"""Reply ordering rules in the front door: duplicates dropped, stale attempts ignored."""
+
+from __future__ import annotations
+
+import pytest
+
+from api.replies import ReplyStream
+from schemas.vocab import ErrorCode, FinishReason
+from schemas.wire import Done, Failed, TokenDelta, Usage, decode_event, encode
+
+
+def tok(seq: int, text: str, attempt: int = 1) -> TokenDelta:
+    return TokenDelta(seq=seq, attempt=attempt, text=text, tokens=1)
+
+
+async def test_duplicates_are_dropped_and_batches_coalesce() -> None:
+    stream = ReplyStream("c", "inbox")
+    for event in (tok(0, "a"), tok(1, "b"), tok(1, "b"), tok(0, "a"), tok(2, "c")):
+        stream.feed(event)
+    batch = await stream.next_batch(1)
+    assert [e.text for e in batch if isinstance(e, TokenDelta)] == ["a", "b", "c"]
+
+
+async def test_a_newer_attempt_supersedes_and_older_events_are_ignored() -> None:
+    stream = ReplyStream("c", "inbox")
+    stream.feed(tok(0, "a", attempt=1))
+    stream.feed(tok(0, "x", attempt=2))
+    stream.feed(tok(1, "b", attempt=1))  # the lost worker's late event
+    stream.feed(tok(1, "y", attempt=2))
+    batch = await stream.next_batch(1)
+    assert [(e.attempt, e.text) for e in batch if isinstance(e, TokenDelta)] == [
+        (1, "a"),
+        (2, "x"),
+        (2, "y"),
+    ]
+
+
+async def test_waiting_with_nothing_times_out() -> None:
+    with pytest.raises(TimeoutError):
+        await ReplyStream("c", "inbox").next_batch(0.05)
+
+
+def test_events_round_trip_through_the_wire_encoding() -> None:
+    events = [
+        tok(0, "héllo\u2028"),
+        Done(1, 1, FinishReason.LENGTH, Usage(3, 4)),
+        Failed(0, 2, ErrorCode.DEADLINE_EXCEEDED, "late"),
+    ]
+    for event in events:
+        assert decode_event(encode(event)) == event

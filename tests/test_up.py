@@ -1,0 +1,83 @@
+"""`kvgate up`: one command starts NATS, a worker and the front door; Ctrl-C stops them all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import openai
+
+from tests.procs import KVGATE, Proc, free_port, wait_http
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_up_serves_and_ctrl_c_stops_every_process(tmp_path: Path, dev_model: Path) -> None:
+    port = free_port()
+    up = Proc(
+        "up",
+        [*KVGATE, "up", "--data-dir", str(tmp_path / "data"), "--model", str(dev_model),
+         "--port", str(port)],
+        {},
+        tmp_path,
+    )  # fmt: skip
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readyz", up, timeout=240)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        reply = client.chat.completions.create(
+            model="kvgate-dev", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert reply.usage is not None and reply.usage.completion_tokens == 4
+        client.close()
+
+        started = descendants(up.pid)
+        assert len(started) >= 3  # nats-server, worker (+ its engine core), api
+        up.signal(signal.SIGINT)
+        assert up.wait(timeout=90) == 0, up.tail()
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in started if alive(p)], up.tail()
+        assert "kvgate stopped" in up.tail()
+    finally:
+        if up.alive():
+            os.killpg(up.pid, signal.SIGKILL)
+        up.stop()
+
+
+def test_model_build_is_deterministic(tmp_path: Path, dev_model: Path) -> None:
+    again = tmp_path / "again"
+    subprocess.run([*KVGATE, "model", "build", str(again)], check=True, capture_output=True)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (again / name).read_bytes() == (dev_model / name).read_bytes(), name
