@@ -116,6 +116,12 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True):
     max_num_seqs: int
     kv_capacity_tokens: int | None
     draining: bool = False
+    staged: int = 0
+    """Calls fetched but not yet handed to the engine."""
+    committed_tokens: int = 0
+    """Worst-case KV tokens reserved by the calls the engine holds."""
+    num_preemptions: int = 0
+    generated_tokens: int = 0
 
 
 _call_encoder = msgspec.msgpack.Encoder()

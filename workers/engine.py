@@ -44,6 +44,18 @@ class EngineRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A request checked and tokenized by the engine, ready to generate."""
+
+    request: EngineRequest
+    prompt_token_ids: tuple[int, ...]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineDelta:
     """New text since the previous delta. ``finish_reason`` is set on the last one only."""
 
@@ -63,6 +75,11 @@ class EngineStats:
     num_waiting: int
     kv_capacity_tokens: int | None
     max_num_seqs: int
+    block_size: int = 16
+    num_preemptions: int = 0
+    """Requests the engine has preempted since it started (KV cache ran out mid-run)."""
+    generated_tokens: int = 0
+    """Output tokens generated since the engine started."""
 
 
 class Engine(Protocol):
@@ -71,9 +88,15 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+    def prepare(self, request: EngineRequest) -> PreparedRequest:
+        """Tokenize and check ``request``; raises ``EngineRequestError`` if it cannot run here
+        (for example prompt plus ``max_tokens`` beyond the context)."""
+        ...
+
+    def generate(self, prepared: PreparedRequest) -> AsyncIterator[EngineDelta]:
         """Yield deltas until the request finishes. When the consumer is slower than the
-        engine, consecutive deltas are merged rather than queued one per token."""
+        engine, consecutive deltas are merged rather than queued one per token. Closing the
+        iterator early aborts the request in the engine."""
         ...
 
     async def abort(self, request_id: str) -> None:

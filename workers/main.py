@@ -8,6 +8,7 @@ import signal
 
 from broker.settings import WorkerSettings
 from workers.engine import EngineDeadError
+from workers.headroom import HeadroomPolicy
 from workers.worker import Worker, WorkerOptions, default_worker_id
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,12 @@ async def serve(settings: WorkerSettings) -> int:
             nats_url=settings.nats_url,
             worker_id=settings.worker_id or default_worker_id(),
             heartbeat_interval_s=settings.heartbeat_interval_s,
+            headroom=HeadroomPolicy(
+                high_water=settings.kv_high_water,
+                low_water=settings.kv_low_water,
+                max_waiting=settings.max_waiting,
+                starvation_s=settings.starvation_s,
+            ),
             pull_expires_s=settings.pull_expires_s,
             drain_grace_s=settings.drain_grace_s,
             nak_delay_s=settings.nak_delay_s,

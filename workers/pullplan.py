@@ -1,13 +1,14 @@
-"""The worker's pure "what may I ask for now" step. No I/O: the NATS shell in
+"""The worker's pure "how much to ask for, from which tier" step. No I/O: the NATS shell in
 ``workers.puller`` and ``workers.worker`` carries the plan out.
 
-The worker keeps *pull credit* outstanding at the server: a pull request for ``n`` messages
-lets the server push up to ``n`` calls, one by one, the moment they are published. So a call
-that lands on an idle worker starts at once, with no poll interval on its time to first token,
-and the worker never holds more credit than it has room for.
+The worker keeps *pull credit* open at the server: a pull request for ``n`` messages lets the
+server push up to ``n`` calls, one by one, the moment they are published. So a call that lands
+on an idle worker starts at once, with no poll interval on its time to first token, and the
+worker never holds more credit than its headroom (``workers.headroom``) allows.
 
-Invariant: ``sum(credit asked) + in-flight calls <= capacity``. Capacity here is sequence
-slots; the KV-headroom policy refines what a slot is worth.
+Tiers are served highest first. A tier with no credit gets a "doorbell" (one credit, so a call
+on an empty tier is noticed at once) unless a higher tier has a backlog; a tier held back that
+way for longer than the starvation bound is *starved* and served first.
 """
 
 from __future__ import annotations
@@ -24,24 +25,37 @@ class TierView:
     outstanding: int
     """Credit asked for on this tier and not yet used or expired."""
     backlog: int
-    """Calls known to be waiting on this tier beyond what was delivered (0 when unknown)."""
+    """Calls known to be waiting on this tier beyond those delivered (0 when unknown)."""
+    starved: bool = False
 
 
-def plan_pulls(free_slots: int, tiers: Sequence[TierView]) -> dict[Tier, int]:
-    """How much new credit to ask for on each tier. ``tiers`` is highest priority first.
+def held_back(tiers: Sequence[TierView]) -> set[Tier]:
+    """Tiers that get no doorbell because a higher tier has work waiting beyond its credit."""
+    result: set[Tier] = set()
+    higher_busy = False
+    for view in tiers:
+        if higher_busy and view.outstanding == 0:
+            result.add(view.tier)
+        higher_busy = higher_busy or view.backlog > view.outstanding
+    return result
 
-    Every tier with no credit first gets one (a "doorbell", so a call on an empty tier is
-    noticed at once); what is left goes to tiers with a known backlog, highest first.
+
+def plan_pulls(free_calls: int, tiers: Sequence[TierView]) -> dict[Tier, int]:
+    """New credit per tier; ``tiers`` highest priority first, ``free_calls`` from the headroom.
+
+    Invariant: the plan's total never exceeds ``free_calls``.
     """
     plan: dict[Tier, int] = {}
-    free = free_slots
-    for view in tiers:
+    free = free_calls
+    order = [v for v in tiers if v.starved] + [v for v in tiers if not v.starved]
+    waiting = held_back(tiers)
+    for view in order:
         if free <= 0:
             return plan
-        if view.outstanding == 0:
+        if view.outstanding == 0 and (view.starved or view.tier not in waiting):
             plan[view.tier] = 1
             free -= 1
-    for view in tiers:
+    for view in order:
         if free <= 0:
             break
         already = view.outstanding + plan.get(view.tier, 0)

@@ -22,6 +22,7 @@ from workers.engine import (
     EngineRequest,
     EngineRequestError,
     EngineStats,
+    PreparedRequest,
 )
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class _SchedulerReading:
         self.kv_cache_usage: float | None = None
         self.num_running = 0
         self.num_waiting = 0
+        self.num_preemptions = 0
+        self.generated_tokens = 0
 
 
 def _stat_logger_factory(reading: _SchedulerReading) -> Any:
@@ -67,6 +70,9 @@ def _stat_logger_factory(reading: _SchedulerReading) -> Any:
             mm_cache_stats: Any = None,
             engine_idx: int = 0,
         ) -> None:
+            if iteration_stats is not None:
+                self._reading.num_preemptions += int(iteration_stats.num_preempted_reqs)
+                self._reading.generated_tokens += int(iteration_stats.num_generation_tokens)
             if scheduler_stats is None:
                 return
             self._reading.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
@@ -91,7 +97,8 @@ class VllmEngine:
         self._tokenizer = llm.get_tokenizer()
         cache = llm.vllm_config.cache_config
         blocks = cache.num_gpu_blocks
-        self._kv_capacity_tokens = int(blocks) * int(cache.block_size) if blocks else None
+        self._block_size = int(cache.block_size)
+        self._kv_capacity_tokens = int(blocks) * self._block_size if blocks else None
         self._max_model_len = int(llm.model_config.max_model_len)
 
     @classmethod
@@ -137,16 +144,25 @@ class VllmEngine:
             num_waiting=self._reading.num_waiting,
             kv_capacity_tokens=self._kv_capacity_tokens,
             max_num_seqs=self._config.max_num_seqs,
+            block_size=self._block_size,
+            num_preemptions=self._reading.num_preemptions,
+            generated_tokens=self._reading.generated_tokens,
         )
 
-    def prompt_token_ids(self, request: EngineRequest) -> list[int]:
+    def prepare(self, request: EngineRequest) -> PreparedRequest:
         text = self._tokenizer.apply_chat_template(
             [{"role": m.role, "content": m.content} for m in request.messages],
             tokenize=False,
             add_generation_prompt=True,
         )
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
-        return ids
+        ids = tuple(self._tokenizer.encode(text, add_special_tokens=False))
+        if len(ids) + request.sampling.max_tokens > self._max_model_len:
+            raise EngineRequestError(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"prompt ({len(ids)} tokens) plus max_tokens ({request.sampling.max_tokens}) "
+                f"exceeds the model's context of {self._max_model_len} tokens",
+            )
+        return PreparedRequest(request, ids)
 
     def _sampling_params(self, request: EngineRequest) -> Any:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -163,18 +179,12 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
         )
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+    async def generate(self, prepared: PreparedRequest) -> AsyncIterator[EngineDelta]:
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDead
 
-        prompt_ids = self.prompt_token_ids(request)
-        if len(prompt_ids) + request.sampling.max_tokens > self._max_model_len:
-            raise EngineRequestError(
-                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens "
-                f"({request.sampling.max_tokens}) exceeds the model's context of "
-                f"{self._max_model_len} tokens",
-            )
+        request = prepared.request
+        prompt_ids = list(prepared.prompt_token_ids)
         try:
             params = self._sampling_params(request)
         except ValueError as exc:

@@ -1,15 +1,23 @@
-"""The worker process shell: NATS connection, pull credit, one task per call, heartbeats, drain.
+"""The worker process shell: NATS connection, pull credit, staging, one task per call,
+heartbeats, drain.
 
-The loop: whenever something changes (a call arrives or ends, a pull request expires), ask
-``plan_pulls`` how much credit to add per tier and send those pull requests. Calls then arrive
-on their own; each runs in its own task that streams the engine's deltas to the caller's inbox
-and acks at the end.
+Whenever something changes (a call arrives or ends, a pull request expires, a staged call's
+deadline comes), the worker:
+
+1. drops staged calls whose deadline passed (``term``, and an ``error`` event to the caller);
+2. hands staged calls to the engine while ``workers.headroom`` says they fit, tier first;
+3. asks ``workers.pullplan`` how much new credit to open per tier for the room that is left.
+
+Calls then arrive on their own. Each is tokenized on arrival (its cost is its prompt plus
+``max_tokens``), staged, and started when it fits; its task streams the engine's deltas to the
+caller's inbox, keeps the message alive with ``in_progress()``, and acks at the end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -28,6 +36,7 @@ from broker.streams import provision_calls, workers_bucket
 from schemas.vocab import TIERS_BY_PRIORITY, ErrorCode, Tier
 from schemas.wire import (
     CANCEL_SUBJECT_PREFIX,
+    CallEnvelope,
     Header,
     Usage,
     WorkerHeartbeat,
@@ -40,12 +49,24 @@ from workers.engine import (
     EngineError,
     EngineRequest,
     EngineRequestError,
+    PreparedRequest,
+)
+from workers.headroom import (
+    Headroom,
+    HeadroomPolicy,
+    StagedCall,
+    call_cost,
+    fetchable_calls,
+    headroom,
+    select_starts,
 )
 from workers.puller import TierPuller
-from workers.pullplan import TierView, plan_pulls
+from workers.pullplan import TierView, held_back, plan_pulls
 from workers.relay import ReplyRelay
 
 log = logging.getLogger(__name__)
+
+_COST_EWMA = 0.2
 
 
 def default_worker_id() -> str:
@@ -60,6 +81,7 @@ class WorkerOptions:
     pull_expires_s: float = 10.0
     drain_grace_s: float = 30.0
     nak_delay_s: float = 1.0
+    headroom: HeadroomPolicy = field(default_factory=HeadroomPolicy)
     stream: StreamSettings = field(default_factory=StreamSettings)
 
 
@@ -69,23 +91,53 @@ class _StopReason:
 
 
 @dataclass(eq=False)
-class _InFlight:
-    call_id: str
-    task: asyncio.Task[None]
+class _Call:
+    """A call this worker holds, staged or running."""
+
+    msg: Msg
+    envelope: CallEnvelope
+    prepared: PreparedRequest
+    staged: StagedCall
+    relay: ReplyRelay
+    progress: asyncio.Task[None]
+    task: asyncio.Task[None] | None = None
     stop_reason: str | None = None
+
+    @property
+    def call_id(self) -> str:
+        return self.envelope.call_id
+
+
+@dataclass
+class WorkerCounters:
+    """Cumulative outcomes, for heartbeats, benchmarks and tests."""
+
+    started: int = 0
+    completed: int = 0
+    deadline_dropped: int = 0
+    cancelled: int = 0
+    handed_back: int = 0
+    failed: int = 0
+    max_committed_tokens: int = 0
 
 
 class Worker:
     def __init__(self, engine: Engine, options: WorkerOptions) -> None:
         self.engine = engine
         self.options = options
+        self.counters = WorkerCounters()
         self._nc: NATS | None = None
         self._kv: KeyValue | None = None
         self._pullers: dict[Tier, TierPuller] = {}
-        self._inflight: dict[str, _InFlight] = {}
+        self._staged: dict[str, _Call] = {}
+        self._running: dict[str, _Call] = {}
+        self._committed_tokens = 0
+        self._est_call_tokens = float(options.headroom.default_call_tokens)
+        self._held_since: dict[Tier, float] = {}
         self._changed = asyncio.Event()
         self._stopping = asyncio.Event()
         self._fatal: BaseException | None = None
+        self._arrivals: set[asyncio.Task[None]] = set()
 
     @property
     def nc(self) -> NATS:
@@ -93,7 +145,7 @@ class Worker:
         return self._nc
 
     def request_stop(self) -> None:
-        """Begin the drain: stop asking for work, let in-flight calls finish within the grace."""
+        """Begin the drain: stop asking for work, let running calls finish within the grace."""
         self._stopping.set()
         self._changed.set()
 
@@ -113,7 +165,7 @@ class Worker:
                 puller = TierPuller(
                     self.nc,
                     tier,
-                    self._on_call,
+                    self._on_message,
                     self._changed.set,
                     expires_s=self.options.pull_expires_s,
                 )
@@ -138,63 +190,167 @@ class Worker:
     # -- intake --------------------------------------------------------------------------
 
     async def _intake_loop(self) -> None:
-        capacity = self.engine.stats().max_num_seqs
         while not self._stopping.is_set():
             self._changed.clear()
             now = time.monotonic()
-            for puller in self._pullers.values():
-                puller.sweep(now)
-            views = [
-                TierView(tier, self._pullers[tier].outstanding, self._pullers[tier].backlog)
-                for tier in TIERS_BY_PRIORITY
-            ]
-            free = capacity - len(self._inflight) - sum(v.outstanding for v in views)
-            for tier, n in plan_pulls(free, views).items():
-                await self._pullers[tier].request(n)
+            self._drop_expired_staged()
+            self._start_what_fits(now)
+            await self._open_credit(now)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), self.options.pull_expires_s)
+                await asyncio.wait_for(self._changed.wait(), self._next_wake_s())
 
-    def _on_call(self, tier: Tier, msg: Msg) -> None:
-        headers = msg.headers or {}
-        call_id = headers.get(Header.CALL) or uuid.uuid4().hex
-        if self._stopping.is_set() or call_id in self._inflight:
-            # Arrived after the drain began (or a duplicate delivery): hand it straight back.
-            asyncio.get_running_loop().create_task(msg.nak())
+    def _room(self) -> Headroom:
+        return headroom(
+            self.engine.stats(),
+            committed_tokens=self._committed_tokens,
+            committed_seqs=len(self._running),
+            policy=self.options.headroom,
+        )
+
+    def _start_what_fits(self, now: float) -> None:
+        if not self._staged:
             return
-        task = asyncio.get_running_loop().create_task(self._serve(tier, msg, call_id))
-        self._inflight[call_id] = _InFlight(call_id, task)
-        task.add_done_callback(lambda _: self._finished(call_id))
+        chosen = select_starts(
+            [c.staged for c in self._staged.values()],
+            self._room(),
+            engine_idle=not self._running,
+            now_s=now,
+            policy=self.options.headroom,
+        )
+        for staged in chosen:
+            call = self._staged.pop(staged.key)
+            self._running[call.call_id] = call
+            self._committed_tokens += staged.cost
+            self.counters.max_committed_tokens = max(
+                self.counters.max_committed_tokens, self._committed_tokens
+            )
+            self.counters.started += 1
+            call.task = asyncio.create_task(self._generate(call))
+            call.task.add_done_callback(functools.partial(self._finished, call))
 
-    def _finished(self, call_id: str) -> None:
-        self._inflight.pop(call_id, None)
-        self._changed.set()
+    async def _open_credit(self, now: float) -> None:
+        outstanding = sum(p.outstanding for p in self._pullers.values())
+        free = fetchable_calls(
+            self._room(),
+            staged=[c.staged for c in self._staged.values()],
+            outstanding=outstanding,
+            capacity_tokens=self.engine.stats().kv_capacity_tokens,
+            est_call_tokens=int(self._est_call_tokens),
+            policy=self.options.headroom,
+        )
+        plain = [
+            TierView(t, self._pullers[t].outstanding, self._pullers[t].backlog)
+            for t in TIERS_BY_PRIORITY
+        ]
+        waiting = held_back(plain)
+        for tier in TIERS_BY_PRIORITY:
+            if tier in waiting:
+                self._held_since.setdefault(tier, now)
+            else:
+                self._held_since.pop(tier, None)
+        starvation = self.options.headroom.starvation_s
+        views = [
+            TierView(
+                v.tier,
+                v.outstanding,
+                v.backlog,
+                starved=now - self._held_since.get(v.tier, now) > starvation,
+            )
+            for v in plain
+        ]
+        for tier, n in plan_pulls(free, views).items():
+            await self._pullers[tier].request(n)
 
-    # -- one call ------------------------------------------------------------------------
+    def _next_wake_s(self) -> float:
+        wake = self.options.pull_expires_s
+        if self._held_since:
+            wake = min(wake, self.options.headroom.starvation_s / 2)
+        if self._staged:
+            now_ms = time.time() * 1000
+            soonest = min(c.envelope.deadline_ms for c in self._staged.values())
+            wake = min(wake, max((soonest - now_ms) / 1000, 0.0) + 0.001)
+        return wake
 
-    async def _serve(self, tier: Tier, msg: Msg, call_id: str) -> None:
+    def _on_message(self, tier: Tier, msg: Msg) -> None:
+        if self._stopping.is_set():
+            # Arrived after the drain began: hand it straight back to another worker.
+            self._spawn(self._nak(msg))
+            return
+        self._spawn(self._arrive(tier, msg))
+
+    def _spawn(self, coro: object) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._arrivals.add(task)
+        task.add_done_callback(self._arrivals.discard)
+
+    async def _nak(self, msg: Msg) -> None:
+        with contextlib.suppress(Exception):
+            await msg.nak()
+
+    async def _arrive(self, tier: Tier, msg: Msg) -> None:
         headers = msg.headers or {}
         inbox = headers.get(Header.REPLY)
         attempt = int(msg.metadata.num_delivered or 1)
         if not inbox:
-            log.error("call %s has no %s header; terminating it", call_id, Header.REPLY)
+            log.error("call without a %s header; terminating it", Header.REPLY)
             await msg.term()
             return
         relay = ReplyRelay(self.nc, inbox, attempt)
         try:
-            call = decode_call(msg.data)
+            envelope = decode_call(msg.data)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             await relay.fail(ErrorCode.INTERNAL_ERROR, f"malformed call message: {exc}")
             await msg.term()
             return
-        if time.time() * 1000 >= call.deadline_ms:
-            await relay.fail(ErrorCode.DEADLINE_EXCEEDED, "the call's deadline passed in queue")
+        call_id = envelope.call_id
+        if call_id in self._running or call_id in self._staged:
+            await msg.nak()  # a second delivery while the first is still here
+            return
+        if time.time() * 1000 >= envelope.deadline_ms:
+            await self._deadline_passed(msg, relay)
+            return
+        request = EngineRequest(call_id, envelope.messages, envelope.sampling, tier.priority)
+        try:
+            prepared = self.engine.prepare(request)
+        except EngineRequestError as exc:
+            await relay.fail(exc.code, str(exc))
             await msg.term()
             return
-
-        request = EngineRequest(call_id, call.messages, call.sampling, priority=tier.priority)
+        cost = call_cost(
+            prepared.prompt_tokens, envelope.sampling.max_tokens, self.engine.stats().block_size
+        )
+        self._est_call_tokens += _COST_EWMA * (cost - self._est_call_tokens)
+        staged = StagedCall(call_id, tier, cost, time.monotonic())
         progress = asyncio.create_task(self._keep_in_progress(msg))
+        self._staged[call_id] = _Call(msg, envelope, prepared, staged, relay, progress)
+        self._changed.set()
+
+    async def _deadline_passed(self, msg: Msg, relay: ReplyRelay) -> None:
+        self.counters.deadline_dropped += 1
+        await relay.fail(
+            ErrorCode.DEADLINE_EXCEEDED, "the call's deadline passed before it started"
+        )
+        await msg.term()
+
+    def _drop_expired_staged(self) -> None:
+        now_ms = time.time() * 1000
+        for call in [c for c in self._staged.values() if c.envelope.deadline_ms <= now_ms]:
+            del self._staged[call.call_id]
+            call.progress.cancel()
+            self._spawn(self._deadline_passed(call.msg, call.relay))
+
+    def _finished(self, call: _Call, _: object = None) -> None:
+        self._running.pop(call.call_id, None)
+        self._committed_tokens -= call.staged.cost
+        call.progress.cancel()
+        self._changed.set()
+
+    # -- one call ------------------------------------------------------------------------
+
+    async def _generate(self, call: _Call) -> None:
+        relay, msg = call.relay, call.msg
         try:
-            async for delta in self.engine.generate(request):
+            async for delta in self.engine.generate(call.prepared):
                 if delta.text or delta.new_tokens:
                     await relay.token(delta.text, delta.new_tokens)
                 if delta.finish_reason is not None:
@@ -203,11 +359,13 @@ class Worker:
             if not relay.finished:
                 raise EngineError("the engine ended the request without a finish reason")
             await msg.ack()
+            self.counters.completed += 1
         except asyncio.CancelledError:
-            await self._stopped(call_id, msg, relay)
+            await self._stopped(call)
         except EngineRequestError as exc:
             await relay.fail(exc.code, str(exc))
             await msg.term()
+            self.counters.failed += 1
         except EngineDeadError as exc:
             # Hand the call back for another worker, then stop this one: nothing more can run.
             log.error("engine died: %s", exc)
@@ -215,63 +373,78 @@ class Worker:
             self._fatal = exc
             self.request_stop()
         except EngineError as exc:
-            await self._engine_failed(msg, relay, attempt, exc)
-        finally:
-            progress.cancel()
+            await self._engine_failed(call, exc)
 
-    async def _stopped(self, call_id: str, msg: Msg, relay: ReplyRelay) -> None:
-        entry = self._inflight.get(call_id)
-        reason = entry.stop_reason if entry else None
-        if reason == _StopReason.CANCELLED:
-            await relay.fail(ErrorCode.CANCELLED, "the call was cancelled by its caller")
-            await msg.term()
+    async def _stopped(self, call: _Call) -> None:
+        if call.stop_reason == _StopReason.CANCELLED:
+            self.counters.cancelled += 1
+            await call.relay.fail(ErrorCode.CANCELLED, "the call was cancelled by its caller")
+            await call.msg.term()
         else:
             # Drain past its grace: another worker takes the call over.
-            await msg.nak()
+            self.counters.handed_back += 1
+            await call.msg.nak()
 
-    async def _engine_failed(
-        self, msg: Msg, relay: ReplyRelay, attempt: int, exc: EngineError
-    ) -> None:
+    async def _engine_failed(self, call: _Call, exc: EngineError) -> None:
+        attempt = int(call.msg.metadata.num_delivered or 1)
         if attempt >= self.options.stream.max_deliver:
-            await relay.fail(
+            self.counters.failed += 1
+            await call.relay.fail(
                 ErrorCode.ENGINE_ERROR, f"engine failed on all {attempt} attempts: {exc}"
             )
-            await msg.term()
+            await call.msg.term()
         else:
             log.warning("engine error on attempt %d, handing back: %s", attempt, exc)
-            await msg.nak(delay=self.options.nak_delay_s)
+            self.counters.handed_back += 1
+            await call.msg.nak(delay=self.options.nak_delay_s)
 
     async def _keep_in_progress(self, msg: Msg) -> None:
         interval = max(self.options.stream.ack_wait_s / 3, 0.1)
         while True:
             await asyncio.sleep(interval)
-            await msg.in_progress()
+            with contextlib.suppress(Exception):
+                await msg.in_progress()
 
     async def _on_cancel(self, msg: Msg) -> None:
         call_id = msg.subject.removeprefix(CANCEL_SUBJECT_PREFIX)
-        entry = self._inflight.get(call_id)
-        if entry is not None and entry.stop_reason is None:
-            entry.stop_reason = _StopReason.CANCELLED
-            entry.task.cancel()  # vLLM aborts the request when its generator is closed
+        staged = self._staged.pop(call_id, None)
+        if staged is not None:
+            staged.progress.cancel()
+            self.counters.cancelled += 1
+            await staged.relay.fail(ErrorCode.CANCELLED, "the call was cancelled by its caller")
+            await staged.msg.term()
+            self._changed.set()
+            return
+        running = self._running.get(call_id)
+        if running is not None and running.stop_reason is None and running.task is not None:
+            running.stop_reason = _StopReason.CANCELLED
+            running.task.cancel()  # closing the engine's iterator aborts the request
 
     # -- drain ---------------------------------------------------------------------------
 
     async def _drain(self) -> None:
         for puller in self._pullers.values():
             await puller.stop()
+        if self._arrivals:
+            await asyncio.wait(list(self._arrivals))
         await self._put_heartbeat(draining=True)
-        tasks = [entry.task for entry in self._inflight.values()]
-        if tasks:
-            log.info(
-                "draining %d in-flight calls (grace %.0fs)", len(tasks), self.options.drain_grace_s
-            )
-            _, pending = await asyncio.wait(tasks, timeout=self.options.drain_grace_s)
-            for entry in list(self._inflight.values()):
-                if entry.task in pending:
-                    entry.stop_reason = entry.stop_reason or _StopReason.DRAIN
-                    entry.task.cancel()
-            if pending:
-                await asyncio.wait(pending)
+        for call in list(self._staged.values()):
+            call.progress.cancel()
+            self.counters.handed_back += 1
+            await call.msg.nak()  # never started: hand back at once
+        self._staged.clear()
+        tasks = [c.task for c in self._running.values() if c.task is not None]
+        if not tasks:
+            return
+        grace = self.options.drain_grace_s
+        log.info("draining %d running calls (grace %.0fs)", len(tasks), grace)
+        _, pending = await asyncio.wait(tasks, timeout=grace)
+        for call in list(self._running.values()):
+            if call.task in pending:
+                call.stop_reason = call.stop_reason or _StopReason.DRAIN
+                call.task.cancel()
+        if pending:
+            await asyncio.wait(pending)
 
     # -- heartbeat -----------------------------------------------------------------------
 
@@ -287,6 +460,10 @@ class Worker:
             max_num_seqs=stats.max_num_seqs,
             kv_capacity_tokens=stats.kv_capacity_tokens,
             draining=draining,
+            staged=len(self._staged),
+            committed_tokens=self._committed_tokens,
+            num_preemptions=stats.num_preemptions,
+            generated_tokens=stats.generated_tokens,
         )
 
     async def _put_heartbeat(self, *, draining: bool = False) -> None:
