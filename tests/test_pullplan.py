@@ -21,8 +21,9 @@ def test_no_room_asks_for_nothing() -> None:
     assert plan_pulls(-3, views((0, 5), (0, 5), (0, 5))) == {}
 
 
-def test_doorbells_go_to_the_highest_tiers_first_when_room_is_short() -> None:
-    assert plan_pulls(2, views((0, 0), (0, 0), (0, 0))) == {G: 1, S: 1}
+def test_every_tier_keeps_a_doorbell_even_when_room_is_short() -> None:
+    # Room for one call still listens on every tier; the extra arrivals wait staged.
+    assert plan_pulls(1, views((0, 0), (0, 0), (0, 0))) == {G: 1, S: 1, B: 1}
 
 
 def test_known_backlog_is_asked_for_highest_tier_first() -> None:
@@ -35,9 +36,19 @@ def test_credit_already_open_counts_against_the_backlog() -> None:
     assert plan_pulls(10, views((5, 5), (1, 0), (1, 0))) == {}
 
 
-def test_the_plan_never_exceeds_the_free_slots() -> None:
+def test_beyond_doorbells_the_plan_never_exceeds_the_free_slots() -> None:
     for free in range(0, 20):
         for backlog in (0, 3, 50):
             plan = plan_pulls(free, views((0, backlog), (0, backlog), (1, backlog)))
-            assert sum(plan.values()) <= max(free, 0)
+            doorbells = 2 if free > 0 else 0  # the two tiers without credit
+            assert sum(plan.values()) <= max(free, doorbells)
             assert all(n > 0 for n in plan.values())
+
+
+def test_lower_tiers_get_no_doorbell_while_a_higher_tier_has_backlog() -> None:
+    assert plan_pulls(10, views((1, 40), (0, 0), (0, 0))) == {G: 10}
+
+
+def test_a_starved_tier_is_served_first() -> None:
+    rows = [TierView(G, 1, 40), TierView(S, 0, 0), TierView(B, 0, 5, starved=True)]
+    assert plan_pulls(3, rows) == {B: 3}

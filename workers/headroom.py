@@ -122,13 +122,18 @@ def fetchable_calls(
     outstanding: int,
     capacity_tokens: int | None,
     est_call_tokens: int,
+    engine_idle: bool,
     policy: HeadroomPolicy,
 ) -> int:
     """How many more calls to ask JetStream for, given what is staged and what credit is open.
 
     Each open credit may bring a call of about ``est_call_tokens``; the estimate only sizes the
-    request, since a call that turns out larger waits staged instead of over-committing.
+    request, since a call that turns out larger waits staged instead of over-committing. An
+    idle worker with nothing staged always asks for at least one call, however large the
+    estimate, or it could never start again.
     """
+    if engine_idle and not staged:
+        return max(0, max(1, room.tokens // max(est_call_tokens, 1)) - outstanding)
     tokens = room.tokens - sum(c.cost for c in staged)
     if capacity_tokens is not None and tokens < policy.low_water * capacity_tokens:
         return 0

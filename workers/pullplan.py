@@ -43,15 +43,19 @@ def held_back(tiers: Sequence[TierView]) -> set[Tier]:
 def plan_pulls(free_calls: int, tiers: Sequence[TierView]) -> dict[Tier, int]:
     """New credit per tier; ``tiers`` highest priority first, ``free_calls`` from the headroom.
 
-    Invariant: the plan's total never exceeds ``free_calls``.
+    With any room at all, every eligible tier keeps its doorbell, even if that asks for up to
+    ``len(tiers) - 1`` calls more than ``free_calls``: otherwise a worker with room for one
+    call would only ever listen to its highest tier. The extra calls wait staged in the
+    worker; they never over-commit the engine, whose starts ``workers.headroom`` decides.
+    Beyond doorbells, the plan never exceeds ``free_calls``.
     """
     plan: dict[Tier, int] = {}
+    if free_calls <= 0:
+        return plan
     free = free_calls
     order = [v for v in tiers if v.starved] + [v for v in tiers if not v.starved]
     waiting = held_back(tiers)
     for view in order:
-        if free <= 0:
-            return plan
         if view.outstanding == 0 and (view.starved or view.tier not in waiting):
             plan[view.tier] = 1
             free -= 1

@@ -236,6 +236,7 @@ class Worker:
             outstanding=outstanding,
             capacity_tokens=self.engine.stats().kv_capacity_tokens,
             est_call_tokens=int(self._est_call_tokens),
+            engine_idle=not self._running,
             policy=self.options.headroom,
         )
         plain = [

@@ -1,0 +1,144 @@
+"""The worker's pure headroom step: never commit past the high-water mark, tiers in order."""
+
+from __future__ import annotations
+
+from schemas.vocab import Tier
+from workers.engine import EngineStats
+from workers.headroom import (
+    Headroom,
+    HeadroomPolicy,
+    StagedCall,
+    call_cost,
+    fetchable_calls,
+    headroom,
+    select_starts,
+)
+
+G, S, B = Tier.GUARANTEED, Tier.STANDARD, Tier.BESTEFFORT
+POLICY = HeadroomPolicy(high_water=0.9, low_water=0.05, starvation_s=10)
+
+
+def stats(usage: float | None = 0.0, capacity: int | None = 2048, seqs: int = 16) -> EngineStats:
+    return EngineStats(
+        kv_cache_usage=usage,
+        num_running=0,
+        num_waiting=0,
+        kv_capacity_tokens=capacity,
+        max_num_seqs=seqs,
+        block_size=32,
+    )
+
+
+def test_call_cost_rounds_up_to_whole_blocks() -> None:
+    assert call_cost(10, 20, 32) == 32
+    assert call_cost(10, 23, 32) == 64
+    assert call_cost(64, 0, 32) == 64
+
+
+def test_headroom_takes_the_larger_of_committed_and_observed() -> None:
+    # Committed 500, engine reports 40% of 2048 (820): the engine's reading wins.
+    room = headroom(stats(0.4), committed_tokens=500, committed_seqs=3, policy=POLICY)
+    assert room == Headroom(tokens=int(0.9 * 2048) - 820, seqs=13)
+    # An engine that has not reported yet: the worker's own reservations still count.
+    room = headroom(stats(None), committed_tokens=1000, committed_seqs=2, policy=POLICY)
+    assert room.tokens == int(0.9 * 2048) - 1000
+
+
+def test_waiting_bound_allows_calls_beyond_max_num_seqs() -> None:
+    policy = HeadroomPolicy(max_waiting=4)
+    room = headroom(stats(), committed_tokens=0, committed_seqs=16, policy=policy)
+    assert room.seqs == 4
+
+
+def staged(key: str, tier: Tier, cost: int, arrived: float = 0.0) -> StagedCall:
+    return StagedCall(key, tier, cost, arrived)
+
+
+def test_starts_highest_tier_first_and_never_past_the_room() -> None:
+    calls = [staged("b1", B, 300, 0), staged("g1", G, 300, 1), staged("s1", S, 300, 2)]
+    chosen = select_starts(calls, Headroom(700, 16), engine_idle=False, now_s=3, policy=POLICY)
+    assert [c.key for c in chosen] == ["g1", "s1"]
+
+
+def test_a_call_that_does_not_fit_is_not_jumped_by_smaller_lower_tier_calls() -> None:
+    calls = [staged("g-big", G, 600), staged("b-small", B, 32)]
+    chosen = select_starts(calls, Headroom(500, 16), engine_idle=False, now_s=1, policy=POLICY)
+    assert chosen == []
+
+
+def test_an_oversized_call_runs_alone_on_an_idle_engine() -> None:
+    calls = [staged("huge", S, 5000), staged("next", S, 32, 1)]
+    chosen = select_starts(calls, Headroom(1800, 16), engine_idle=True, now_s=2, policy=POLICY)
+    assert [c.key for c in chosen] == ["huge"]
+
+
+def test_a_starved_lower_tier_call_goes_first() -> None:
+    calls = [staged("g1", G, 300, 20), staged("b-old", B, 300, 0)]
+    chosen = select_starts(calls, Headroom(300, 16), engine_idle=False, now_s=21, policy=POLICY)
+    assert [c.key for c in chosen] == ["b-old"]
+
+
+def test_sequence_slots_bound_the_starts() -> None:
+    calls = [staged(f"c{i}", S, 32, i) for i in range(5)]
+    chosen = select_starts(calls, Headroom(10_000, 2), engine_idle=False, now_s=9, policy=POLICY)
+    assert [c.key for c in chosen] == ["c0", "c1"]
+
+
+def test_fetchable_calls_accounts_for_staged_and_open_credit() -> None:
+    room = Headroom(tokens=1800, seqs=16)
+    assert (
+        fetchable_calls(
+            room,
+            staged=[],
+            outstanding=0,
+            capacity_tokens=2048,
+            est_call_tokens=200,
+            engine_idle=False,
+            policy=POLICY,
+        )
+        == 9
+    )
+    assert (
+        fetchable_calls(
+            room,
+            staged=[staged("a", S, 600)],
+            outstanding=3,
+            capacity_tokens=2048,
+            est_call_tokens=200,
+            engine_idle=False,
+            policy=POLICY,
+        )
+        == 3
+    )
+
+
+def test_below_the_low_water_mark_nothing_is_fetched() -> None:
+    room = Headroom(tokens=100, seqs=16)  # under 5% of 2048 free
+    assert (
+        fetchable_calls(
+            room,
+            staged=[],
+            outstanding=0,
+            capacity_tokens=2048,
+            est_call_tokens=16,
+            engine_idle=False,
+            policy=POLICY,
+        )
+        == 0
+    )
+
+
+def test_an_idle_worker_always_asks_for_one_call() -> None:
+    room = Headroom(tokens=230, seqs=8)
+    assert (
+        fetchable_calls(
+            room,
+            staged=[],
+            outstanding=0,
+            capacity_tokens=256,
+            est_call_tokens=512,
+            engine_idle=True,
+            policy=POLICY,
+        )
+        == 1
+    )

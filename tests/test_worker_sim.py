@@ -1,0 +1,244 @@
+"""The worker shell on a real NATS server, driving the simulated engine adapter: the fault paths
+a real engine cannot be made to take on purpose, and the headroom invariant at speed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from broker.natsserver import EmbeddedNats
+from broker.publisher import CallPublisher
+from broker.settings import StreamSettings
+from broker.streams import provision_calls
+from schemas.vocab import ErrorCode, Tier
+from schemas.wire import (
+    STREAM_NAME,
+    CallEnvelope,
+    ChatMessage,
+    Done,
+    Failed,
+    SamplingParams,
+    TokenDelta,
+    decode_event,
+    encode,
+)
+from workers.headroom import HeadroomPolicy
+from workers.sim_engine import FAIL_MARKER, SimEngine, SimEngineConfig
+from workers.worker import Worker, WorkerOptions
+
+STREAM = StreamSettings(ack_wait_s=2, max_deliver=3)
+
+
+@dataclass
+class Inbox:
+    events: list[TokenDelta | Done | Failed] = field(default_factory=list)
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def on_msg(self, msg: Msg) -> None:
+        event = decode_event(msg.data)
+        self.events.append(event)
+        self.started.set()
+        if isinstance(event, Done | Failed):
+            self.ended.set()
+
+    @property
+    def terminal(self) -> Done | Failed:
+        last = self.events[-1]
+        assert isinstance(last, Done | Failed)
+        return last
+
+
+def call(
+    call_id: str,
+    *,
+    tier: Tier = Tier.STANDARD,
+    content: str = "a b c",
+    max_tokens: int = 8,
+    deadline_in_s: float = 30,
+) -> CallEnvelope:
+    now_ms = int(time.time() * 1000)
+    return CallEnvelope(
+        call_id=call_id,
+        session_id=call_id,
+        tier=tier,
+        model="kvgate-sim",
+        messages=(ChatMessage("user", content),),
+        sampling=SamplingParams(max_tokens=max_tokens),
+        deadline_ms=now_ms + int(deadline_in_s * 1000),
+        created_ms=now_ms,
+    )
+
+
+class Harness:
+    def __init__(self, nc: NATS, url: str) -> None:
+        self.nc = nc
+        self.url = url
+        self.js = nc.jetstream()
+        self.publisher = CallPublisher(self.js)
+        self.workers: list[tuple[Worker, asyncio.Task[None]]] = []
+
+    async def start_worker(
+        self, config: SimEngineConfig | None = None, **options: object
+    ) -> Worker:
+        worker = Worker(
+            SimEngine(config),
+            WorkerOptions(
+                nats_url=self.url,
+                worker_id=f"sim-{len(self.workers)}",
+                heartbeat_interval_s=0.2,
+                pull_expires_s=2,
+                drain_grace_s=5,
+                nak_delay_s=0.2,
+                stream=STREAM,
+                **options,  # type: ignore[arg-type]
+            ),
+        )
+        task = asyncio.create_task(worker.run())
+        self.workers.append((worker, task))
+        return worker
+
+    async def send(self, envelope: CallEnvelope) -> Inbox:
+        inbox = Inbox()
+        subject = f"_INBOX.test.{envelope.call_id}"
+        await self.nc.subscribe(subject, cb=inbox.on_msg)
+        await self.publisher.publish(envelope, subject, now_ms=envelope.created_ms)
+        return inbox
+
+    async def stop(self) -> None:
+        for worker, _ in self.workers:
+            worker.request_stop()
+        for _, task in self.workers:
+            await asyncio.wait_for(task, 20)
+
+
+@pytest.fixture
+async def harness(nats_server: EmbeddedNats, nc: NATS) -> AsyncIterator[Harness]:
+    await provision_calls(nc.jetstream(), STREAM)
+    h = Harness(nc, nats_server.url)
+    try:
+        yield h
+    finally:
+        await h.stop()
+
+
+async def test_calls_complete_with_one_terminal_event(harness: Harness) -> None:
+    await harness.start_worker()
+    inboxes = [await harness.send(call(f"c{i}", max_tokens=5)) for i in range(6)]
+    for inbox in inboxes:
+        await asyncio.wait_for(inbox.ended.wait(), 10)
+        assert isinstance(inbox.terminal, Done)
+        assert sum(e.tokens for e in inbox.events if isinstance(e, TokenDelta)) == 5
+        assert [e.seq for e in inbox.events] == list(range(len(inbox.events)))
+
+
+async def test_engine_errors_are_retried_then_reported_once(harness: Harness) -> None:
+    await harness.start_worker()
+    inbox = await harness.send(call("bad", content=f"x {FAIL_MARKER}"))
+    await asyncio.wait_for(inbox.ended.wait(), 15)
+    await asyncio.sleep(0.5)  # nothing may follow the terminal event
+    assert len(inbox.events) == 1
+    failed = inbox.terminal
+    assert isinstance(failed, Failed)
+    assert failed.code == ErrorCode.ENGINE_ERROR
+    assert failed.attempt == STREAM.max_deliver
+    info = await harness.js.stream_info(STREAM_NAME)
+    assert info.state.messages == 0  # terminated, not left to redeliver
+
+
+async def test_a_call_past_its_deadline_is_never_started(harness: Harness) -> None:
+    # Publish a call whose deadline already passed but whose TTL has not: the worker must
+    # drop it itself.
+    stale = call("stale", deadline_in_s=-1)
+    inbox = Inbox()
+    await harness.nc.subscribe("_INBOX.test.stale", cb=inbox.on_msg)
+    headers = {"Kvgate-Call": "stale", "Kvgate-Reply": "_INBOX.test.stale"}
+    await harness.js.publish(stale.tier.subject, encode(stale), headers=headers, msg_ttl=30)
+    worker = await harness.start_worker()
+    await asyncio.wait_for(inbox.ended.wait(), 10)
+    failed = inbox.terminal
+    assert isinstance(failed, Failed)
+    assert failed.code == ErrorCode.DEADLINE_EXCEEDED
+    assert worker.counters.started == 0
+    assert worker.counters.deadline_dropped == 1
+
+
+async def test_a_staged_call_whose_deadline_passes_is_dropped(harness: Harness) -> None:
+    # One sequence slot, doorbells open on every tier: the second call is delivered but waits
+    # staged behind the long first one.
+    worker = await harness.start_worker(SimEngineConfig(max_num_seqs=1, step_s=0.01))
+    await asyncio.sleep(0.2)
+    long = await harness.send(call("long", tier=Tier.GUARANTEED, max_tokens=150))
+    short = await harness.send(call("short", deadline_in_s=0.5))
+    await asyncio.wait_for(short.ended.wait(), 10)
+    assert isinstance(short.terminal, Failed)
+    assert short.terminal.code == ErrorCode.DEADLINE_EXCEEDED
+    await asyncio.wait_for(long.ended.wait(), 10)
+    assert isinstance(long.terminal, Done)
+    assert worker.counters.deadline_dropped == 1
+
+
+async def test_burst_never_commits_past_the_high_water_mark(harness: Harness) -> None:
+    config = SimEngineConfig(max_num_seqs=32, kv_capacity_tokens=2048, block_size=16)
+    policy = HeadroomPolicy(high_water=0.8)
+    worker = await harness.start_worker(config, headroom=policy)
+    # Each call costs ceil((7 + 100) / 16) * 16 = 112 tokens; 3x the cache is ~55 calls.
+    inboxes = [await harness.send(call(f"b{i}", max_tokens=100)) for i in range(55)]
+    peak_usage = 0.0
+    while not all(i.ended.is_set() for i in inboxes):
+        peak_usage = max(peak_usage, worker.engine.stats().kv_cache_usage or 0.0)
+        await asyncio.sleep(0.01)
+    assert all(isinstance(i.terminal, Done) for i in inboxes)
+    assert worker.counters.max_committed_tokens <= 0.8 * 2048
+    assert peak_usage <= 0.8
+    # ...and it kept the batch full: within two calls of the mark (the cost estimate that
+    # sizes pull requests starts high and converges as calls arrive).
+    assert worker.counters.max_committed_tokens >= 0.8 * 2048 - 2 * 112
+
+
+async def test_guaranteed_calls_overtake_a_besteffort_backlog(harness: Harness) -> None:
+    worker = await harness.start_worker(SimEngineConfig(max_num_seqs=2, step_s=0.005))
+    backlog = [
+        await harness.send(call(f"be{i}", tier=Tier.BESTEFFORT, max_tokens=20)) for i in range(12)
+    ]
+    await asyncio.sleep(0.05)
+    urgent = await harness.send(call("g", tier=Tier.GUARANTEED, max_tokens=20))
+    await asyncio.wait_for(urgent.ended.wait(), 10)
+    done_before = sum(1 for b in backlog if b.ended.is_set())
+    assert done_before <= 6, done_before  # it did not wait behind the whole backlog
+    for b in backlog:
+        await asyncio.wait_for(b.ended.wait(), 20)
+    assert worker.counters.completed == 13
+
+
+async def test_cancel_stops_a_running_call(harness: Harness) -> None:
+    worker = await harness.start_worker(SimEngineConfig(step_s=0.01))
+    inbox = await harness.send(call("long", max_tokens=1000))
+    await asyncio.wait_for(inbox.started.wait(), 5)
+    await harness.nc.publish("kvgate.cancel.long", b"")
+    await asyncio.wait_for(inbox.ended.wait(), 2)
+    assert isinstance(inbox.terminal, Failed)
+    assert inbox.terminal.code == ErrorCode.CANCELLED
+    assert worker.engine.stats().num_running == 0
+    assert worker.counters.cancelled == 1
+
+
+async def test_drain_finishes_running_calls_and_hands_back_the_rest(harness: Harness) -> None:
+    worker = await harness.start_worker(SimEngineConfig(max_num_seqs=1, step_s=0.01))
+    first = await harness.send(call("first", max_tokens=30))
+    second = await harness.send(call("second", max_tokens=30))
+    await asyncio.wait_for(first.started.wait(), 5)
+    worker.request_stop()
+    await asyncio.wait_for(harness.workers[0][1], 10)
+    assert isinstance(first.terminal, Done)
+    assert not second.events  # never started here...
+    # ...and handed back: a new worker serves it.
+    await harness.start_worker()
+    await asyncio.wait_for(second.ended.wait(), 10)
+    assert isinstance(second.terminal, Done)
