@@ -6,6 +6,7 @@
     kvgate nats                run the embedded NATS server (JetStream, loopback only)
     kvgate worker --model DIR  run one worker (one per GPU) embedding vLLM
     kvgate api                 run the front door
+    kvgate workers             list live workers (KV usage, running, waiting, age)
     kvgate up                  all of the above on one machine, for development
 """
 
@@ -99,6 +100,41 @@ def cmd_api(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_workers(args: argparse.Namespace) -> int:
+    import time
+
+    import nats
+
+    from broker.fleet import read_fleet, workers_table
+    from broker.settings import ApiSettings
+    from broker.streams import workers_bucket
+
+    settings = ApiSettings()
+
+    async def show() -> int:
+        nc = await nats.connect(args.nats_url or settings.nats_url, connect_timeout=3)
+        try:
+            kv = await workers_bucket(nc.jetstream(), settings.stream)
+            view = await read_fleet(kv, settings.heartbeat_max_age_s)
+        finally:
+            await nc.close()
+        now_ms = int(time.time() * 1000)
+        live = view.live(now_ms)
+        if args.json:
+            import json
+
+            import msgspec
+
+            print(json.dumps([msgspec.to_builtins(hb) for hb in live]))
+        elif live:
+            print(workers_table(live, now_ms))
+        else:
+            print("no live workers")
+        return 0
+
+    return asyncio.run(show())
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from broker.supervisor import Supervisor
 
@@ -144,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--host")
     api.add_argument("--port", type=int)
     api.set_defaults(func=cmd_api)
+
+    workers = sub.add_parser("workers", help="list live workers from their heartbeats")
+    workers.add_argument("--nats-url", help="default: KVGATE_NATS_URL")
+    workers.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    workers.set_defaults(func=cmd_workers)
 
     up = sub.add_parser("up", help="embedded NATS + one worker + the front door")
     up.add_argument("--data-dir", default=".kvgate")

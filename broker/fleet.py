@@ -68,3 +68,45 @@ class FleetWatcher:
         if self._watcher is not None:
             with contextlib.suppress(Exception):
                 await self._watcher.stop()  # type: ignore[no-untyped-call]
+
+
+async def read_fleet(kv: KeyValue, max_age_s: float) -> FleetView:
+    """A one-off snapshot of the bucket (for the CLI); the front door keeps a watch instead."""
+    from nats.js.errors import NoKeysError
+
+    view = FleetView(max_age_s)
+    try:
+        keys = await kv.keys()
+    except NoKeysError:
+        return view
+    for key in keys:
+        with contextlib.suppress(Exception):
+            entry = await kv.get(key)
+            view.update(key, entry.value)
+    return view
+
+
+def workers_table(workers: list[WorkerHeartbeat], now_ms: int) -> str:
+    """Live workers as a fixed-width text table."""
+    header = ("WORKER", "MODEL", "KV", "RUNNING", "WAITING", "STAGED", "PREEMPT", "STATE", "AGE")
+    rows = [header]
+    for hb in sorted(workers, key=lambda h: h.worker_id):
+        usage = "-" if hb.kv_cache_usage is None else f"{hb.kv_cache_usage:.0%}"
+        rows.append(
+            (
+                hb.worker_id,
+                hb.model,
+                usage,
+                f"{hb.num_running}/{hb.max_num_seqs}",
+                str(hb.num_waiting),
+                str(hb.staged),
+                str(hb.num_preemptions),
+                "draining" if hb.draining else "serving",
+                f"{(now_ms - hb.sent_ms) / 1000:.1f}s",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )

@@ -93,4 +93,5 @@ class WorkerSettings(BaseSettings):
     kv_low_water: float = Field(default=0.05, ge=0, lt=1)
     max_waiting: int = Field(default=0, ge=0)
     starvation_s: float = Field(default=10.0, gt=0)
+    guaranteed_reserve: float = Field(default=0.15, ge=0, lt=1)
     stream: StreamSettings = Field(default_factory=StreamSettings)

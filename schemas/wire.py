@@ -122,6 +122,10 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True):
     """Worst-case KV tokens reserved by the calls the engine holds."""
     num_preemptions: int = 0
     generated_tokens: int = 0
+    completed: int = 0
+    deadline_dropped: int = 0
+    cancelled: int = 0
+    handed_back: int = 0
 
 
 _call_encoder = msgspec.msgpack.Encoder()

@@ -15,7 +15,7 @@ from workers.headroom import (
 )
 
 G, S, B = Tier.GUARANTEED, Tier.STANDARD, Tier.BESTEFFORT
-POLICY = HeadroomPolicy(high_water=0.9, low_water=0.05, starvation_s=10)
+POLICY = HeadroomPolicy(high_water=0.9, low_water=0.05, starvation_s=10, guaranteed_reserve=0)
 
 
 def stats(usage: float | None = 0.0, capacity: int | None = 2048, seqs: int = 16) -> EngineStats:
@@ -38,7 +38,7 @@ def test_call_cost_rounds_up_to_whole_blocks() -> None:
 def test_headroom_takes_the_larger_of_committed_and_observed() -> None:
     # Committed 500, engine reports 40% of 2048 (820): the engine's reading wins.
     room = headroom(stats(0.4), committed_tokens=500, committed_seqs=3, policy=POLICY)
-    assert room == Headroom(tokens=int(0.9 * 2048) - 820, seqs=13)
+    assert (room.tokens, room.seqs) == (int(0.9 * 2048) - 820, 13)
     # An engine that has not reported yet: the worker's own reservations still count.
     room = headroom(stats(None), committed_tokens=1000, committed_seqs=2, policy=POLICY)
     assert room.tokens == int(0.9 * 2048) - 1000
@@ -142,3 +142,16 @@ def test_an_idle_worker_always_asks_for_one_call() -> None:
         )
         == 1
     )
+
+
+def test_the_guaranteed_reserve_is_kept_free_of_lower_tiers() -> None:
+    policy = HeadroomPolicy(high_water=0.9, guaranteed_reserve=0.25)
+    room = headroom(stats(), committed_tokens=1000, committed_seqs=4, policy=policy)
+    assert room.reserved_tokens == 512
+    assert room.tokens == 1843 - 1000
+    # 843 free, 512 of them reserved: a 400-token standard call waits, a guaranteed one starts.
+    calls = [staged("s", S, 400, 0)]
+    assert select_starts(calls, room, engine_idle=False, now_s=1, policy=policy) == []
+    calls = [staged("g", G, 800, 0), staged("s", S, 400, 0)]
+    chosen = select_starts(calls, room, engine_idle=False, now_s=1, policy=policy)
+    assert [c.key for c in chosen] == ["g"]

@@ -186,7 +186,7 @@ async def test_a_staged_call_whose_deadline_passes_is_dropped(harness: Harness) 
 
 async def test_burst_never_commits_past_the_high_water_mark(harness: Harness) -> None:
     config = SimEngineConfig(max_num_seqs=32, kv_capacity_tokens=2048, block_size=16)
-    policy = HeadroomPolicy(high_water=0.8)
+    policy = HeadroomPolicy(high_water=0.8, guaranteed_reserve=0)
     worker = await harness.start_worker(config, headroom=policy)
     # Each call costs ceil((7 + 100) / 16) * 16 = 112 tokens; 3x the cache is ~55 calls.
     inboxes = [await harness.send(call(f"b{i}", max_tokens=100)) for i in range(55)]

@@ -37,12 +37,19 @@ class HeadroomPolicy:
     """A lower tier waits at most this long behind higher ones before it is served first."""
     default_call_tokens: int = 512
     """Cost assumed for a call not yet seen, until the running estimate has data."""
+    guaranteed_reserve: float = 0.15
+    """Share of the KV cache (and one sequence slot) that only guaranteed calls may use, so a
+    guaranteed call arriving at a worker busy with lower tiers starts at once instead of
+    waiting for a running call to finish."""
 
 
 @dataclass(frozen=True, slots=True)
 class Headroom:
     tokens: int
     seqs: int
+    reserved_tokens: int = 0
+    """Of ``tokens``, how many only guaranteed calls may take."""
+    reserved_seqs: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +74,18 @@ def headroom(
 ) -> Headroom:
     seqs = stats.max_num_seqs + policy.max_waiting - committed_seqs
     capacity = stats.kv_capacity_tokens
+    reserved_seqs = 1 if policy.guaranteed_reserve > 0 else 0
     if capacity is None:
         # No KV size known (an engine that does not report one): only sequences bound us.
-        return Headroom(tokens=1 << 62, seqs=seqs)
+        return Headroom(tokens=1 << 62, seqs=seqs, reserved_seqs=reserved_seqs)
     observed = math.ceil((stats.kv_cache_usage or 0.0) * capacity)
     used = max(committed_tokens, observed)
-    return Headroom(tokens=int(policy.high_water * capacity) - used, seqs=seqs)
+    return Headroom(
+        tokens=int(policy.high_water * capacity) - used,
+        seqs=seqs,
+        reserved_tokens=int(policy.guaranteed_reserve * capacity),
+        reserved_seqs=reserved_seqs,
+    )
 
 
 def start_order(
@@ -103,11 +116,15 @@ def select_starts(
     chosen: list[StagedCall] = []
     tokens, seqs = room.tokens, room.seqs
     for call in start_order(staged, now_s, policy.starvation_s):
-        if seqs <= 0:
-            break
+        guaranteed = call.tier is Tier.GUARANTEED
+        usable_tokens = tokens if guaranteed else tokens - room.reserved_tokens
+        usable_seqs = seqs if guaranteed else seqs - room.reserved_seqs
         # On an idle engine the first call always starts: one larger than the whole budget
         # would otherwise never run.
-        if call.cost > tokens and not (engine_idle and not chosen):
+        first_on_idle = engine_idle and not chosen
+        if seqs <= 0 or (usable_seqs <= 0 and not first_on_idle):
+            break
+        if call.cost > usable_tokens and not first_on_idle:
             break
         chosen.append(call)
         tokens -= call.cost

@@ -57,6 +57,7 @@ async def serve(settings: WorkerSettings) -> int:
                 low_water=settings.kv_low_water,
                 max_waiting=settings.max_waiting,
                 starvation_s=settings.starvation_s,
+                guaranteed_reserve=settings.guaranteed_reserve,
             ),
             pull_expires_s=settings.pull_expires_s,
             drain_grace_s=settings.drain_grace_s,

@@ -465,6 +465,10 @@ class Worker:
             committed_tokens=self._committed_tokens,
             num_preemptions=stats.num_preemptions,
             generated_tokens=stats.generated_tokens,
+            completed=self.counters.completed,
+            deadline_dropped=self.counters.deadline_dropped,
+            cancelled=self.counters.cancelled,
+            handed_back=self.counters.handed_back,
         )
 
     async def _put_heartbeat(self, *, draining: bool = False) -> None:

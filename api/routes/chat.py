@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -31,6 +33,8 @@ from schemas.wire import CallEnvelope, Done, Failed, TokenDelta
 
 router = APIRouter(tags=["chat"])
 
+T = TypeVar("T")
+
 CALL_ID_HEADER = "X-Kvgate-Call"
 
 _BODY_SCHEMA = {
@@ -54,7 +58,7 @@ async def create_chat_completion(
     headers = {CALL_ID_HEADER: call.call_id}
     if not chat.stream:
         async with contextlib.aclosing(events):
-            completion = await _collect(call, events)
+            completion = await _unless_disconnected(request, _collect(call, events))
         return JSONResponse(completion.model_dump(), headers=headers)
     include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
     # Wait for the first event before answering, so that anything that goes wrong before the
@@ -72,6 +76,28 @@ async def create_chat_completion(
         media_type="text/event-stream",
         headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` but cancel it if the client goes away first (closing the call's event
+    iterator then cancels the call on the worker, freeing its KV cache)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise KvgateError(ErrorCode.CANCELLED, "the client disconnected")
+    return task.result()
 
 
 async def _collect(
