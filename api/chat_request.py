@@ -23,6 +23,7 @@ from schemas.vocab import ErrorCode, Tier
 from schemas.wire import CallEnvelope, ChatMessage, SamplingParams
 
 TIMEOUT_HEADER = "X-Kvgate-Timeout"
+TIER_HEADER = "X-Kvgate-Tier"
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -116,6 +117,21 @@ def call_timeout_s(request: Request, settings: ApiSettings) -> float:
     return value
 
 
+def call_tier(request: Request, settings: ApiSettings) -> Tier:
+    """The tier named by the caller, or the default. Session admission will bound it by the
+    tenant's highest tier; until then any caller may name any tier."""
+    raw = request.headers.get(TIER_HEADER)
+    if raw is None:
+        return settings.default_tier
+    try:
+        return Tier(raw.strip().lower())
+    except ValueError:
+        names = ", ".join(t.value for t in Tier)
+        raise InvalidRequest(
+            ErrorCode.INVALID_TIER, f"unknown tier {raw!r}; tiers are {names}", param=TIER_HEADER
+        ) from None
+
+
 def to_envelope(
     chat: ChatCompletionRequest,
     settings: ApiSettings,
@@ -141,6 +157,7 @@ def to_envelope(
             seed=chat.seed,
             presence_penalty=chat.presence_penalty,
             frequency_penalty=chat.frequency_penalty,
+            ignore_eos=chat.ignore_eos,
         ),
         deadline_ms=now_ms + int(timeout_s * 1000),
         created_ms=now_ms,

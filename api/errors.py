@@ -28,6 +28,7 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.INVALID_MAX_TOKENS: 400,
     ErrorCode.MAX_TOKENS_TOO_LARGE: 400,
     ErrorCode.INVALID_PARAMETER: 400,
+    ErrorCode.INVALID_TIER: 400,
     ErrorCode.UNSUPPORTED_PARAMETER: 400,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
     ErrorCode.MODEL_NOT_FOUND: 404,

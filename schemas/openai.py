@@ -50,6 +50,9 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = None
+    # vLLM extension: keep generating past the end-of-sequence token, up to max_tokens.
+    # Benchmarks use it to make output lengths exact.
+    ignore_eos: bool = False
 
     @field_validator("stop")
     @classmethod

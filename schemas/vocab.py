@@ -50,6 +50,7 @@ class ErrorCode(enum.StrEnum):
     INVALID_MAX_TOKENS = "invalid_max_tokens"
     MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"
     INVALID_PARAMETER = "invalid_parameter"
+    INVALID_TIER = "invalid_tier"
     UNSUPPORTED_PARAMETER = "unsupported_parameter"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     MODEL_NOT_FOUND = "model_not_found"

@@ -54,6 +54,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    ignore_eos: bool = False
 
 
 class CallEnvelope(msgspec.Struct, frozen=True):

@@ -20,6 +20,9 @@ def chat_body(content: str = "hello", max_tokens: int = 8, **extra: Any) -> dict
         "model": MODEL,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
+        # The random-weight model can emit end-of-sequence early; exact lengths make the
+        # usage assertions meaningful.
+        "ignore_eos": True,
         **extra,
     }
 
@@ -90,7 +93,10 @@ async def test_openai_client_non_streamed_and_streamed(stack: Stack) -> None:
     client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused")
     try:
         completion = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=6,
+            extra_body={"ignore_eos": True},
         )
         assert completion.choices[0].message.content
         assert completion.usage is not None and completion.usage.completion_tokens == 6
@@ -101,6 +107,7 @@ async def test_openai_client_non_streamed_and_streamed(stack: Stack) -> None:
             max_tokens=6,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
         text, finish, usage = "", None, None
         async for chunk in stream:

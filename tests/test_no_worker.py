@@ -60,3 +60,12 @@ async def test_bad_timeout_header_is_a_400(lonely_api: str, value: str) -> None:
         )
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "X-Kvgate-Timeout"
+
+
+async def test_unknown_tier_is_a_400(lonely_api: str) -> None:
+    async with httpx.AsyncClient(base_url=lonely_api) as client:
+        resp = await client.post(
+            "/v1/chat/completions", json=BODY, headers={"X-Kvgate-Tier": "gold"}
+        )
+    assert resp.status_code == 400
+    assert resp.json()["error"]["code"] == "invalid_tier"

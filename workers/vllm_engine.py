@@ -176,6 +176,7 @@ class VllmEngine:
             seed=s.seed,
             presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty,
+            ignore_eos=s.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
         )
 

@@ -13,7 +13,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from api.calls import Restarted, failure_error, follow_call
-from api.chat_request import call_timeout_s, parse_chat_request, read_body, to_envelope
+from api.chat_request import (
+    call_tier,
+    call_timeout_s,
+    parse_chat_request,
+    read_body,
+    to_envelope,
+)
 from api.deps import FrontDoorDep
 from api.errors import error_body
 from api.replies import ReplyEvent
@@ -52,7 +58,10 @@ async def create_chat_completion(
     settings = door.settings
     chat = parse_chat_request(await read_body(request, settings.max_body_bytes), settings)
     call = to_envelope(
-        chat, settings, tier=settings.default_tier, timeout_s=call_timeout_s(request, settings)
+        chat,
+        settings,
+        tier=call_tier(request, settings),
+        timeout_s=call_timeout_s(request, settings),
     )
     events = follow_call(door, call)
     headers = {CALL_ID_HEADER: call.call_id}

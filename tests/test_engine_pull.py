@@ -1,0 +1,160 @@
+"""Pull policy, deadlines and cancels against the real vLLM CPU worker (64 blocks of 32 tokens,
+16 sequences; high-water mark 0.9, guaranteed reserve 0.15)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+
+from tests.conftest import Stack
+from tests.sampler import sample_fleet
+
+MODEL = "kvgate-dev"
+GUARANTEED_TTFT_OBJECTIVE_S = 1.5
+
+
+def body(
+    max_tokens: int, content: str = "the agent reads the file", **extra: Any
+) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+async def stream_call(
+    client: httpx.AsyncClient, payload: dict[str, Any], *, tier: str | None = None
+) -> dict[str, Any]:
+    """Stream one call; returns its TTFT, usage and the error event if any."""
+    headers = {"X-Kvgate-Tier": tier} if tier else {}
+    started = time.monotonic()
+    ttft: float | None = None
+    usage = error = None
+    async with client.stream("POST", "/v1/chat/completions", json=payload, headers=headers) as r:
+        assert r.status_code == 200, await r.aread()
+        buffer = ""
+        async for text in r.aiter_text():
+            buffer += text
+            *lines, buffer = buffer.split("\n")
+            for line in lines:
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    error = chunk["error"]
+                elif chunk.get("usage"):
+                    usage = chunk["usage"]
+                elif ttft is None and chunk["choices"][0]["delta"].get("content"):
+                    ttft = time.monotonic() - started
+    return {"ttft": ttft, "usage": usage, "error": error}
+
+
+async def test_burst_of_three_caches_stays_under_the_high_water_mark(stack: Stack) -> None:
+    """40 best-effort calls of 160 KV tokens each (3.1x the 2,048-token cache), then 4
+    guaranteed calls: KV usage stays under 0.9, no preemption, the engine's waiting queue stays
+    empty, and guaranteed calls get their first token within the objective while best-effort
+    calls wait."""
+    async with (
+        sample_fleet(stack.nats.url) as fleet,
+        httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client,
+    ):
+        before = fleet.workers()[0]
+        burst = [
+            asyncio.create_task(stream_call(client, body(128), tier="besteffort"))
+            for _ in range(40)
+        ]
+        await asyncio.sleep(1.0)
+        urgent = [
+            asyncio.create_task(stream_call(client, body(16), tier="guaranteed")) for _ in range(4)
+        ]
+        results = await asyncio.gather(*urgent)
+        low = await asyncio.gather(*burst)
+        await asyncio.sleep(0.6)  # one more heartbeat
+        after = fleet.workers()[0]
+        peaks = fleet.peaks
+
+    assert [r for r in low if r["error"] or r["usage"]["completion_tokens"] != 128] == []
+    assert all(r["error"] is None and r["usage"]["completion_tokens"] == 16 for r in results)
+    assert peaks.samples > 10
+    assert 0 < peaks.kv_cache_usage <= 0.9, peaks
+    assert after.num_preemptions == before.num_preemptions
+    assert peaks.num_waiting <= 1, peaks  # a request is "waiting" until its first schedule
+    guaranteed_ttft = max(r["ttft"] for r in results)
+    besteffort_ttft = sorted(r["ttft"] for r in low)
+    assert guaranteed_ttft <= GUARANTEED_TTFT_OBJECTIVE_S, guaranteed_ttft
+    assert besteffort_ttft[-1] > guaranteed_ttft  # best-effort calls waited behind
+
+
+async def test_a_call_that_cannot_start_before_its_deadline_is_a_504(stack: Stack) -> None:
+    async with (
+        sample_fleet(stack.nats.url) as fleet,
+        httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client,
+    ):
+        completed_before = fleet.workers()[0].completed
+        # Fill the non-reserved KV budget with long calls, then send a call with a 1 s deadline.
+        fill = [
+            asyncio.create_task(stream_call(client, body(400), tier="besteffort")) for _ in range(6)
+        ]
+        await asyncio.sleep(1.0)
+        started = time.monotonic()
+        late = await client.post(
+            "/v1/chat/completions",
+            json={**body(8), "stream": False},
+            headers={"X-Kvgate-Timeout": "1", "X-Kvgate-Tier": "besteffort"},
+        )
+        elapsed = time.monotonic() - started
+        await asyncio.gather(*fill)
+        await asyncio.sleep(0.6)
+        completed_after = fleet.workers()[0].completed
+    assert late.status_code == 504, late.text
+    assert late.json()["error"]["code"] == "deadline_exceeded"
+    assert elapsed < 3, elapsed
+    # Dropped unstarted (by the server's TTL, or by the worker if it had fetched it): the
+    # engine ran the six long calls and nothing else.
+    assert completed_after - completed_before == 6
+
+
+async def test_client_disconnect_aborts_the_engine_request(stack: Stack) -> None:
+    async with (
+        sample_fleet(stack.nats.url) as fleet,
+        httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client,
+    ):
+        async with client.stream("POST", "/v1/chat/completions", json=body(900)) as r:
+            # Keep the iterator open: closing it would close the response early.
+            chunks = r.aiter_text()
+            await anext(chunks)
+            await asyncio.sleep(0.6)
+            assert fleet.workers()[0].num_running == 1
+        gone = time.monotonic()
+        while fleet.workers()[0].num_running != 0:
+            assert time.monotonic() - gone < 2.0, "engine still running the request"
+            await asyncio.sleep(0.05)
+        # Heartbeats come every 0.5 s: the abort itself happened within a second.
+        assert time.monotonic() - gone < 1.5
+        assert fleet.workers()[0].cancelled >= 1
+
+
+async def test_cancel_subject_ends_a_streamed_call_with_cancelled(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client:
+        import nats
+
+        nc = await nats.connect(stack.nats.url)
+        try:
+            async with client.stream("POST", "/v1/chat/completions", json=body(900)) as r:
+                call_id = r.headers["x-kvgate-call"]
+                await nc.publish(f"kvgate.cancel.{call_id}", b"")
+                text = (await r.aread()).decode()
+        finally:
+            await nc.close()
+    events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "cancelled"
