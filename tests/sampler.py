@@ -37,7 +37,7 @@ class FleetSampler:
     async def wait_for(self, n: int, timeout: float = 10.0) -> list[WorkerHeartbeat]:
         """Until ``n`` live workers are seen (the watch delivers the bucket asynchronously)."""
         async with asyncio.timeout(timeout):
-            while len(live := self.workers()) < n:
+            while len(live := self.workers()) < n:  # noqa: ASYNC110 - heartbeats are polled
                 await asyncio.sleep(0.05)
         return live
 
@@ -57,7 +57,9 @@ class FleetSampler:
 
 
 @contextlib.asynccontextmanager
-async def sample_fleet(nats_url: str) -> AsyncIterator[FleetSampler]:
+async def sample_fleet(
+    nats_url: str, *, workers: int = 1, timeout: float = 10.0
+) -> AsyncIterator[FleetSampler]:
     nc = await nats.connect(nats_url)
     kv = await workers_bucket(nc.jetstream(), StreamSettings())
     watcher = FleetWatcher(kv, FleetView(max_age_s=3))
@@ -65,7 +67,7 @@ async def sample_fleet(nats_url: str) -> AsyncIterator[FleetSampler]:
     sampler = FleetSampler(watcher.view)
     task = asyncio.create_task(sampler.run())
     try:
-        await sampler.wait_for(1)
+        await sampler.wait_for(workers, timeout)
         yield sampler
     finally:
         task.cancel()

@@ -84,13 +84,12 @@ def test_sequence_slots_bound_the_starts() -> None:
     assert [c.key for c in chosen] == ["c0", "c1"]
 
 
-def test_fetchable_calls_accounts_for_staged_and_open_credit() -> None:
+def test_fetchable_calls_accounts_for_staged_calls() -> None:
     room = Headroom(tokens=1800, seqs=16)
     assert (
         fetchable_calls(
             room,
             staged=[],
-            outstanding=0,
             capacity_tokens=2048,
             est_call_tokens=200,
             engine_idle=False,
@@ -102,13 +101,12 @@ def test_fetchable_calls_accounts_for_staged_and_open_credit() -> None:
         fetchable_calls(
             room,
             staged=[staged("a", S, 600)],
-            outstanding=3,
             capacity_tokens=2048,
             est_call_tokens=200,
             engine_idle=False,
             policy=POLICY,
         )
-        == 3
+        == 6
     )
 
 
@@ -118,7 +116,6 @@ def test_below_the_low_water_mark_nothing_is_fetched() -> None:
         fetchable_calls(
             room,
             staged=[],
-            outstanding=0,
             capacity_tokens=2048,
             est_call_tokens=16,
             engine_idle=False,
@@ -134,7 +131,6 @@ def test_an_idle_worker_always_asks_for_one_call() -> None:
         fetchable_calls(
             room,
             staged=[],
-            outstanding=0,
             capacity_tokens=256,
             est_call_tokens=512,
             engine_idle=True,

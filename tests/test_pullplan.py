@@ -39,9 +39,10 @@ def test_credit_already_open_counts_against_the_backlog() -> None:
 def test_beyond_doorbells_the_plan_never_exceeds_the_free_slots() -> None:
     for free in range(0, 20):
         for backlog in (0, 3, 50):
-            plan = plan_pulls(free, views((0, backlog), (0, backlog), (1, backlog)))
-            doorbells = 2 if free > 0 else 0  # the two tiers without credit
-            assert sum(plan.values()) <= max(free, doorbells)
+            rows = views((0, backlog), (0, backlog), (1, backlog))
+            plan = plan_pulls(free, rows)
+            doorbells = sum(1 for v in rows if v.outstanding == 0 and v.tier in plan)
+            assert sum(plan.values()) - doorbells <= free
             assert all(n > 0 for n in plan.values())
 
 
@@ -51,4 +52,9 @@ def test_lower_tiers_get_no_doorbell_while_a_higher_tier_has_backlog() -> None:
 
 def test_a_starved_tier_is_served_first() -> None:
     rows = [TierView(G, 1, 40), TierView(S, 0, 0), TierView(B, 0, 5, starved=True)]
-    assert plan_pulls(3, rows) == {B: 3}
+    assert plan_pulls(3, rows) == {B: 4}  # the doorbell plus the 3 calls that fit
+
+
+def test_doorbells_on_empty_tiers_do_not_use_up_a_busy_tiers_room() -> None:
+    # Room for 2 calls; doorbells idle on guaranteed and besteffort; standard has 3 waiting.
+    assert plan_pulls(2, views((1, 0), (1, 3), (1, 0))) == {S: 2}

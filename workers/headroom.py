@@ -136,24 +136,23 @@ def fetchable_calls(
     room: Headroom,
     *,
     staged: Sequence[StagedCall],
-    outstanding: int,
     capacity_tokens: int | None,
     est_call_tokens: int,
     engine_idle: bool,
     policy: HeadroomPolicy,
 ) -> int:
-    """How many more calls to ask JetStream for, given what is staged and what credit is open.
+    """How many calls of about ``est_call_tokens`` fit beside what is staged (open pull
+    credit is the pull plan's to subtract).
 
-    Each open credit may bring a call of about ``est_call_tokens``; the estimate only sizes the
-    request, since a call that turns out larger waits staged instead of over-committing. An
-    idle worker with nothing staged always asks for at least one call, however large the
-    estimate, or it could never start again.
+    The estimate only sizes pull requests: a call that turns out larger waits staged instead
+    of over-committing. An idle worker with nothing staged always has room for one call,
+    however large the estimate, or it could never start again.
     """
     if engine_idle and not staged:
-        return max(0, max(1, room.tokens // max(est_call_tokens, 1)) - outstanding)
+        return max(1, room.tokens // max(est_call_tokens, 1))
     tokens = room.tokens - sum(c.cost for c in staged)
     if capacity_tokens is not None and tokens < policy.low_water * capacity_tokens:
         return 0
     by_tokens = tokens // max(est_call_tokens, 1)
     by_seqs = room.seqs - len(staged)
-    return max(0, min(by_tokens, by_seqs) - outstanding)
+    return max(0, min(by_tokens, by_seqs))

@@ -45,7 +45,16 @@ async def serve(settings: WorkerSettings) -> int:
         return 2
     config = engine_config(settings)
     assert isinstance(config, VllmEngineConfig)
+    # A stop asked for while the engine loads (seconds) is honoured once it has loaded:
+    # the engine is then shut down cleanly instead of being orphaned.
+    stop_early = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_early.set)
     engine = await VllmEngine.start(config)
+    if stop_early.is_set():
+        engine.shutdown()
+        return 0
     worker = Worker(
         engine,
         WorkerOptions(
@@ -65,7 +74,6 @@ async def serve(settings: WorkerSettings) -> int:
             stream=settings.stream,
         ),
     )
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
     try:

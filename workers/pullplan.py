@@ -41,30 +41,31 @@ def held_back(tiers: Sequence[TierView]) -> set[Tier]:
 
 
 def plan_pulls(free_calls: int, tiers: Sequence[TierView]) -> dict[Tier, int]:
-    """New credit per tier; ``tiers`` highest priority first, ``free_calls`` from the headroom.
+    """New credit per tier; ``tiers`` highest priority first, ``free_calls`` from the headroom
+    (calls that fit, not counting credit already open).
 
-    With any room at all, every eligible tier keeps its doorbell, even if that asks for up to
-    ``len(tiers) - 1`` calls more than ``free_calls``: otherwise a worker with room for one
-    call would only ever listen to its highest tier. The extra calls wait staged in the
-    worker; they never over-commit the engine, whose starts ``workers.headroom`` decides.
-    Beyond doorbells, the plan never exceeds ``free_calls``.
+    Doorbells ride free: with any room at all, every eligible tier keeps one credit, even if
+    that asks for up to ``len(tiers) - 1`` calls more than fit. Otherwise a worker with room
+    for one call would only ever listen to its highest tier, and doorbells idling on empty
+    tiers would use up the room a busy tier needs. An extra arrival waits staged in the
+    worker; it never over-commits the engine, whose starts ``workers.headroom`` decides.
+    Credit beyond doorbells never exceeds ``free_calls``.
     """
     plan: dict[Tier, int] = {}
     if free_calls <= 0:
         return plan
-    free = free_calls
     order = [v for v in tiers if v.starved] + [v for v in tiers if not v.starved]
     waiting = held_back(tiers)
     for view in order:
         if view.outstanding == 0 and (view.starved or view.tier not in waiting):
             plan[view.tier] = 1
-            free -= 1
+    budget = free_calls - sum(max(0, v.outstanding - 1) for v in tiers)
     for view in order:
-        if free <= 0:
+        if budget <= 0:
             break
         already = view.outstanding + plan.get(view.tier, 0)
-        want = min(view.backlog - already, free)
+        want = min(view.backlog - already, budget)
         if want > 0:
             plan[view.tier] = plan.get(view.tier, 0) + want
-            free -= want
+            budget -= want
     return plan

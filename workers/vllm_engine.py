@@ -127,7 +127,20 @@ class VllmEngine:
         )
         reading = _SchedulerReading()
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(reading)])
-        return cls(llm, config, reading)
+        engine = cls(llm, config, reading)
+        await engine._warm_up()
+        return engine
+
+    async def _warm_up(self) -> None:
+        """Run one tiny request before serving: the first request through a fresh engine pays
+        one-off set-up costs (seconds on CPU) that must not land on a caller's first token."""
+        from schemas.wire import ChatMessage, SamplingParams
+
+        request = EngineRequest(
+            "kvgate-warmup", (ChatMessage("user", "warm up"),), SamplingParams(max_tokens=2), 0
+        )
+        async for _ in self.generate(self.prepare(request)):
+            pass
 
     @property
     def model_name(self) -> str:

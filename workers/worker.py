@@ -229,11 +229,9 @@ class Worker:
             call.task.add_done_callback(functools.partial(self._finished, call))
 
     async def _open_credit(self, now: float) -> None:
-        outstanding = sum(p.outstanding for p in self._pullers.values())
         free = fetchable_calls(
             self._room(),
             staged=[c.staged for c in self._staged.values()],
-            outstanding=outstanding,
             capacity_tokens=self.engine.stats().kv_capacity_tokens,
             est_call_tokens=int(self._est_call_tokens),
             engine_idle=not self._running,
