@@ -100,6 +100,11 @@ WORKER_ENV = {
     "KVGATE_WORKER_ENFORCE_EAGER": "true",
     "KVGATE_WORKER_HEARTBEAT_INTERVAL_S": "0.5",
     "KVGATE_WORKER_DRAIN_GRACE_S": "10",
+    # One OpenMP thread, unbound: by default the CPU engine binds a spinning thread to every
+    # core, which on a 2-core CI machine starves the front door and the worker's own event
+    # loop (and a second engine) of CPU.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
 }
 
 

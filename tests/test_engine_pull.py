@@ -120,7 +120,7 @@ async def test_a_call_that_cannot_start_before_its_deadline_is_a_504(stack: Stac
     assert elapsed < 3, elapsed
     # Dropped unstarted (by the server's TTL, or by the worker if it had fetched it): the
     # engine ran the six long calls and nothing else.
-    assert completed_after - completed_before == 6
+    assert completed_after - completed_before == 6, (completed_before, completed_after)
 
 
 async def test_client_disconnect_aborts_the_engine_request(stack: Stack) -> None:

@@ -24,9 +24,6 @@ from tests.sampler import FleetSampler, sample_fleet
 
 ACK_WAIT_S = 3
 STREAM_ENV = {"KVGATE_STREAM_ACK_WAIT_S": str(ACK_WAIT_S)}
-# Two engines on a small machine: without this each binds its OpenMP threads to every core
-# and they spin against each other (and against the worker processes' own event loops).
-ENGINE_SHARING_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
 class FaultStack:
@@ -40,9 +37,7 @@ class FaultStack:
 
     def spawn(self) -> str:
         name = next(self._names)
-        self.workers[name] = start_worker(
-            self.nats.url, self.model, self.root, name, **STREAM_ENV, **ENGINE_SHARING_ENV
-        )
+        self.workers[name] = start_worker(self.nats.url, self.model, self.root, name, **STREAM_ENV)
         return name
 
     def close(self) -> None:
