@@ -1,0 +1,329 @@
+"""Worker benchmarks on the real vLLM engine (CPU build here; the same code drives a GPU).
+
+1. Throughput efficiency at saturation: output tokens/s through kvgate (front door, JetStream,
+   worker) / the same engine configuration driven directly in-process, same prompts, one run.
+2. Burst: 3x what the worker's KV cache holds, best-effort, then guaranteed calls on top:
+   peak KV usage against the high-water mark, preemptions, the engine's waiting queue, and
+   time to first token per tier.
+
+Run: ``.venv/bin/python -m loadtests.bench_worker --out loadtests/results/worker.json``
+(about 4 minutes on a 2-core machine). Both modes use the engine settings in ``ENGINE_ENV``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ENGINE_ENV = {
+    "KVGATE_WORKER_MAX_NUM_SEQS": "16",
+    "KVGATE_WORKER_BLOCK_SIZE": "32",
+    "KVGATE_WORKER_MAX_MODEL_LEN": "1024",
+    "KVGATE_WORKER_ENFORCE_EAGER": "true",
+    "KVGATE_WORKER_HEARTBEAT_INTERVAL_S": "0.5",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+}
+# Throughput: KV large enough that sequences, not KV, bound the batch in both modes
+# (16 x 96-token calls = 1,536 tokens, under kvgate's 0.75 non-guaranteed share of 4,096).
+THROUGHPUT_BLOCKS = "128"
+# Burst: a small cache (2,048 tokens) so that 40 calls of 160 tokens are 3.1x of it.
+BURST_BLOCKS = "64"
+
+PROMPT = "the agent reads the file and writes the plan for the next step"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+# -- direct: the engine in-process, no broker ------------------------------------------------
+
+
+async def run_direct(model: Path, calls: int, max_tokens: int) -> dict[str, Any]:
+    from broker.settings import WorkerSettings
+    from schemas.wire import ChatMessage, SamplingParams
+    from workers.engine import EngineRequest
+    from workers.main import engine_config
+    from workers.vllm_engine import VllmEngine, VllmEngineConfig
+
+    config = engine_config(WorkerSettings(model=model))
+    assert isinstance(config, VllmEngineConfig)
+    engine = await VllmEngine.start(config)
+    try:
+
+        async def one(i: int) -> int:
+            request = EngineRequest(
+                f"direct-{i}",
+                (ChatMessage("user", PROMPT),),
+                SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                priority=1,
+            )
+            tokens = 0
+            async for delta in engine.generate(engine.prepare(request)):
+                tokens += delta.new_tokens
+            return tokens
+
+        started = time.monotonic()
+        tokens = await asyncio.gather(*(one(i) for i in range(calls)))
+        elapsed = time.monotonic() - started
+        return {
+            "output_tokens": sum(tokens),
+            "seconds": elapsed,
+            "tokens_per_s": sum(tokens) / elapsed,
+            "preemptions": engine.stats().num_preemptions,
+        }
+    finally:
+        engine.shutdown()
+
+
+# -- through kvgate ------------------------------------------------------------------------
+
+
+class KvgateStack:
+    def __init__(self, model: Path, blocks: str, root: Path) -> None:
+        from broker.natsserver import EmbeddedNats
+        from tests.procs import free_port
+
+        self.root = root
+        self.nats = EmbeddedNats(root / "nats").start()
+        env = {**os.environ, **ENGINE_ENV, "KVGATE_NATS_URL": self.nats.url}
+        env["KVGATE_WORKER_NUM_GPU_BLOCKS_OVERRIDE"] = blocks
+        self.port = free_port()
+        cli = [sys.executable, "-m", "broker.cli"]
+        log = (root / "worker.log").open("wb")
+        self.worker = subprocess.Popen(
+            [*cli, "worker", "--model", str(model), "--worker-id", "bench"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        api_log = (root / "api.log").open("wb")
+        self.api = subprocess.Popen(
+            [*cli, "--log-level", "WARNING", "api", "--port", str(self.port)],
+            env=env, stdout=api_log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.base_url + "/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.worker.poll() is not None or self.api.poll() is not None:
+                raise RuntimeError(f"kvgate exited during start-up; logs in {self.root}")
+            time.sleep(0.5)
+        raise TimeoutError("kvgate not ready")
+
+    def close(self) -> None:
+        for proc in (self.api, self.worker):
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.nats.stop()
+
+
+async def stream_call(
+    client: httpx.AsyncClient, max_tokens: int, tier: str
+) -> dict[str, float | int | None]:
+    payload = {
+        "model": "kvgate-dev",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.monotonic()
+    ttft: float | None = None
+    tokens = 0
+    async with client.stream(
+        "POST", "/v1/chat/completions", json=payload, headers={"X-Kvgate-Tier": tier}
+    ) as resp:
+        resp.raise_for_status()
+        buffer = ""
+        async for text in resp.aiter_text():
+            buffer += text
+            *lines, buffer = buffer.split("\n")
+            for line in lines:
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                elif ttft is None and chunk["choices"][0]["delta"].get("content"):
+                    ttft = time.monotonic() - started
+    return {"ttft": ttft, "tokens": tokens, "seconds": time.monotonic() - started}
+
+
+async def run_kvgate_throughput(stack: KvgateStack, calls: int, max_tokens: int) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=calls + 8)
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=600, limits=limits) as client:
+        await stream_call(client, 4, "standard")  # first call through the HTTP path
+        started = time.monotonic()
+        results = await asyncio.gather(
+            *(stream_call(client, max_tokens, "standard") for _ in range(calls))
+        )
+        elapsed = time.monotonic() - started
+    tokens = sum(int(r["tokens"] or 0) for r in results)
+    return {"output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+
+
+async def run_burst(stack: KvgateStack) -> dict[str, Any]:
+    import nats
+
+    from broker.fleet import FleetView, FleetWatcher
+    from broker.settings import StreamSettings
+    from broker.streams import workers_bucket
+
+    nc = await nats.connect(stack.nats.url)
+    kv = await workers_bucket(nc.jetstream(), StreamSettings())
+    watcher = FleetWatcher(kv, FleetView(max_age_s=3))
+    await watcher.start()
+    peak = {"kv_cache_usage": 0.0, "num_waiting": 0, "committed_tokens": 0}
+    sampling = True
+
+    async def sample() -> None:
+        while sampling:
+            for hb in watcher.view.live(int(time.time() * 1000)):
+                peak["kv_cache_usage"] = max(peak["kv_cache_usage"], hb.kv_cache_usage or 0.0)
+                peak["num_waiting"] = max(peak["num_waiting"], hb.num_waiting)
+                peak["committed_tokens"] = max(peak["committed_tokens"], hb.committed_tokens)
+            await asyncio.sleep(0.05)
+
+    while not watcher.view.live(int(time.time() * 1000)):  # noqa: ASYNC110 - polled view
+        await asyncio.sleep(0.05)
+    before = watcher.view.live(int(time.time() * 1000))[0]
+    sampler = asyncio.create_task(sample())
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=600) as client:
+        low = [asyncio.create_task(stream_call(client, 128, "besteffort")) for _ in range(40)]
+        await asyncio.sleep(1.0)
+        high = [asyncio.create_task(stream_call(client, 16, "guaranteed")) for _ in range(8)]
+        guaranteed = await asyncio.gather(*high)
+        besteffort = await asyncio.gather(*low)
+    await asyncio.sleep(0.6)
+    sampling = False
+    await sampler
+    after = watcher.view.live(int(time.time() * 1000))[0]
+    await watcher.stop()
+    await nc.close()
+
+    def ttfts(results: list[dict[str, Any]]) -> dict[str, float]:
+        values = [float(r["ttft"]) for r in results if r["ttft"] is not None]
+        return {
+            "p50": percentile(values, 50),
+            "p99": percentile(values, 99),
+            "max": max(values),
+        }
+
+    return {
+        "kv_capacity_tokens": after.kv_capacity_tokens,
+        "offered_kv_tokens": 40 * 160,
+        "high_water": 0.9,
+        "peak_kv_cache_usage": peak["kv_cache_usage"],
+        "peak_committed_tokens": peak["committed_tokens"],
+        "peak_engine_waiting": peak["num_waiting"],
+        "preemptions": after.num_preemptions - before.num_preemptions,
+        "ttft_guaranteed_s": ttfts(guaranteed),
+        "ttft_besteffort_s": ttfts(besteffort),
+        "all_completed": all(r["tokens"] == 16 for r in guaranteed)
+        and all(r["tokens"] == 128 for r in besteffort),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--model", help="model directory (default: build one in a temp dir)")
+    parser.add_argument("--out", default="loadtests/results/worker.json")
+    parser.add_argument("--direct-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.direct_only:
+        os.environ.update(ENGINE_ENV)
+        os.environ["KVGATE_WORKER_NUM_GPU_BLOCKS_OVERRIDE"] = THROUGHPUT_BLOCKS
+        result = asyncio.run(run_direct(Path(args.model), args.calls, args.max_tokens))
+        print(json.dumps(result))
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
+        root = Path(tmp)
+        model = Path(args.model) if args.model else root / "model"
+        if not args.model:
+            subprocess.run(
+                [sys.executable, "-m", "broker.cli", "model", "build", str(model)], check=True
+            )
+        print("direct engine ...", flush=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "loadtests.bench_worker", "--direct-only", "--model",
+             str(model), "--calls", str(args.calls), "--max-tokens", str(args.max_tokens)],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        direct = json.loads(out.stdout.strip().splitlines()[-1])
+
+        print("kvgate throughput ...", flush=True)
+        (root / "t").mkdir()
+        stack = KvgateStack(model, THROUGHPUT_BLOCKS, root / "t")
+        try:
+            stack.wait_ready()
+            through = asyncio.run(run_kvgate_throughput(stack, args.calls, args.max_tokens))
+        finally:
+            stack.close()
+
+        print("burst ...", flush=True)
+        (root / "b").mkdir()
+        stack = KvgateStack(model, BURST_BLOCKS, root / "b")
+        try:
+            stack.wait_ready()
+            burst = asyncio.run(run_burst(stack))
+        finally:
+            stack.close()
+
+    efficiency = through["tokens_per_s"] / direct["tokens_per_s"]
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "engine_env": ENGINE_ENV,
+        "throughput": {
+            "calls": args.calls,
+            "max_tokens": args.max_tokens,
+            "direct": direct,
+            "kvgate": through,
+            "efficiency": efficiency,
+        },
+        "burst": burst,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(
+        f"throughput: direct {direct['tokens_per_s']:.0f} tok/s, kvgate "
+        f"{through['tokens_per_s']:.0f} tok/s, efficiency {efficiency:.3f}"
+    )
+    print(
+        f"burst: peak KV {burst['peak_kv_cache_usage']:.2f} (high water 0.90), preemptions "
+        f"{burst['preemptions']}, peak engine waiting {burst['peak_engine_waiting']}, TTFT p99 "
+        f"guaranteed {burst['ttft_guaranteed_s']['p99']:.2f}s / best-effort "
+        f"{burst['ttft_besteffort_s']['p99']:.2f}s"
+    )
+    print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
