@@ -7,7 +7,7 @@
    time to first token per tier.
 
 Run: ``.venv/bin/python -m loadtests.bench_worker --out loadtests/results/worker.json``
-(about 4 minutes on a 2-core machine). Both modes use the engine settings in ``ENGINE_ENV``.
+(about 5 minutes on a 2-core machine). Both modes use the engine settings in ``ENGINE_ENV``.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ ENGINE_ENV = {
     "OMP_NUM_THREADS": "1",
 }
 # Throughput: KV large enough that sequences, not KV, bound the batch in both modes
-# (16 x 96-token calls = 1,536 tokens, under kvgate's 0.75 non-guaranteed share of 4,096).
-THROUGHPUT_BLOCKS = "128"
+# (16 x 288-token calls = 4,608 tokens, under kvgate's 0.75 non-guaranteed share of 8,192).
+THROUGHPUT_BLOCKS = "256"
 # Burst: a small cache (2,048 tokens) so that 40 calls of 160 tokens are 3.1x of it.
 BURST_BLOCKS = "64"
 
@@ -172,17 +172,44 @@ async def stream_call(
     return {"ttft": ttft, "tokens": tokens, "seconds": time.monotonic() - started}
 
 
-async def run_kvgate_throughput(stack: KvgateStack, calls: int, max_tokens: int) -> dict[str, Any]:
+async def plain_call(client: httpx.AsyncClient, max_tokens: int, tier: str) -> int:
+    payload = {
+        "model": "kvgate-dev",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
+    resp = await client.post("/v1/chat/completions", json=payload, headers={"X-Kvgate-Tier": tier})
+    resp.raise_for_status()
+    return int(resp.json()["usage"]["completion_tokens"])
+
+
+async def run_kvgate_throughput(
+    stack: KvgateStack, calls: int, max_tokens: int
+) -> dict[str, dict[str, float]]:
     limits = httpx.Limits(max_connections=calls + 8)
+    report: dict[str, dict[str, float]] = {}
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=600, limits=limits) as client:
         await stream_call(client, 4, "standard")  # first call through the HTTP path
-        started = time.monotonic()
-        results = await asyncio.gather(
-            *(stream_call(client, max_tokens, "standard") for _ in range(calls))
-        )
-        elapsed = time.monotonic() - started
-    tokens = sum(int(r["tokens"] or 0) for r in results)
-    return {"output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+        for mode in ("streamed", "non_streamed"):
+            started = time.monotonic()
+            if mode == "streamed":
+                results = await asyncio.gather(
+                    *(stream_call(client, max_tokens, "standard") for _ in range(calls))
+                )
+                tokens = sum(int(r["tokens"] or 0) for r in results)
+            else:
+                counts = await asyncio.gather(
+                    *(plain_call(client, max_tokens, "standard") for _ in range(calls))
+                )
+                tokens = sum(counts)
+            elapsed = time.monotonic() - started
+            report[mode] = {
+                "output_tokens": tokens,
+                "seconds": elapsed,
+                "tokens_per_s": tokens / elapsed,
+            }
+    return report
 
 
 async def run_burst(stack: KvgateStack) -> dict[str, Any]:
@@ -250,9 +277,15 @@ async def run_burst(stack: KvgateStack) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--model", help="model directory (default: build one in a temp dir)")
     parser.add_argument("--out", default="loadtests/results/worker.json")
+    parser.add_argument(
+        "--guaranteed-reserve",
+        type=float,
+        help="worker's KVGATE_WORKER_GUARANTEED_RESERVE for the throughput run (default 0.15)",
+    )
+    parser.add_argument("--skip-burst", action="store_true")
     parser.add_argument("--direct-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -280,6 +313,8 @@ def main() -> int:
 
         print("kvgate throughput ...", flush=True)
         (root / "t").mkdir()
+        if args.guaranteed_reserve is not None:
+            os.environ["KVGATE_WORKER_GUARANTEED_RESERVE"] = str(args.guaranteed_reserve)
         stack = KvgateStack(model, THROUGHPUT_BLOCKS, root / "t")
         try:
             stack.wait_ready()
@@ -287,16 +322,21 @@ def main() -> int:
         finally:
             stack.close()
 
-        print("burst ...", flush=True)
-        (root / "b").mkdir()
-        stack = KvgateStack(model, BURST_BLOCKS, root / "b")
-        try:
-            stack.wait_ready()
-            burst = asyncio.run(run_burst(stack))
-        finally:
-            stack.close()
+        os.environ.pop("KVGATE_WORKER_GUARANTEED_RESERVE", None)
+        burst: dict[str, Any] = {}
+        if not args.skip_burst:
+            print("burst ...", flush=True)
+            (root / "b").mkdir()
+            stack = KvgateStack(model, BURST_BLOCKS, root / "b")
+            try:
+                stack.wait_ready()
+                burst = asyncio.run(run_burst(stack))
+            finally:
+                stack.close()
 
-    efficiency = through["tokens_per_s"] / direct["tokens_per_s"]
+    efficiency = {
+        mode: result["tokens_per_s"] / direct["tokens_per_s"] for mode, result in through.items()
+    }
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "engine_env": ENGINE_ENV,
@@ -306,21 +346,24 @@ def main() -> int:
             "direct": direct,
             "kvgate": through,
             "efficiency": efficiency,
+            "guaranteed_reserve": args.guaranteed_reserve,
         },
         "burst": burst,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(
-        f"throughput: direct {direct['tokens_per_s']:.0f} tok/s, kvgate "
-        f"{through['tokens_per_s']:.0f} tok/s, efficiency {efficiency:.3f}"
-    )
-    print(
-        f"burst: peak KV {burst['peak_kv_cache_usage']:.2f} (high water 0.90), preemptions "
-        f"{burst['preemptions']}, peak engine waiting {burst['peak_engine_waiting']}, TTFT p99 "
-        f"guaranteed {burst['ttft_guaranteed_s']['p99']:.2f}s / best-effort "
-        f"{burst['ttft_besteffort_s']['p99']:.2f}s"
-    )
+    for mode, result in through.items():
+        print(
+            f"throughput ({mode}): direct {direct['tokens_per_s']:.0f} tok/s, kvgate "
+            f"{result['tokens_per_s']:.0f} tok/s, efficiency {efficiency[mode]:.3f}"
+        )
+    if burst:
+        print(
+            f"burst: peak KV {burst['peak_kv_cache_usage']:.2f} (high water 0.90), preemptions "
+            f"{burst['preemptions']}, peak engine waiting {burst['peak_engine_waiting']}, TTFT p99 "
+            f"guaranteed {burst['ttft_guaranteed_s']['p99']:.2f}s / best-effort "
+            f"{burst['ttft_besteffort_s']['p99']:.2f}s"
+        )
     print(f"written to {args.out}")
     return 0
 

@@ -257,3 +257,25 @@ async def test_unknown_route_and_method_are_json_errors(stack: Stack) -> None:
         wrong = await client.get("/v1/chat/completions")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_kvgate_workers_lists_the_live_worker(stack: Stack) -> None:
+    import subprocess
+
+    from tests.procs import KVGATE
+
+    table = subprocess.run(
+        [*KVGATE, "workers", "--nats-url", stack.nats.url],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    header, row = table.strip().splitlines()
+    assert header.split()[:3] == ["WORKER", "MODEL", "KV"]
+    assert row.split()[:2] == ["w1", MODEL]
+    listed = subprocess.run(
+        [*KVGATE, "workers", "--nats-url", stack.nats.url, "--json"],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    (worker,) = json.loads(listed)
+    assert worker["worker_id"] == "w1"
+    assert worker["kv_capacity_tokens"] == 2048
+    assert worker["max_num_seqs"] == 16

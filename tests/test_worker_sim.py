@@ -242,3 +242,18 @@ async def test_drain_finishes_running_calls_and_hands_back_the_rest(harness: Har
     await harness.start_worker()
     await asyncio.wait_for(second.ended.wait(), 10)
     assert isinstance(second.terminal, Done)
+
+
+async def test_drain_hands_back_a_running_call_that_outlives_the_grace(harness: Harness) -> None:
+    worker = await harness.start_worker(SimEngineConfig(step_s=0.01), drain_grace_s=0.3)
+    long = await harness.send(call("long", max_tokens=500))
+    await asyncio.wait_for(long.started.wait(), 5)
+    worker.request_stop()
+    await asyncio.wait_for(harness.workers[0][1], 10)
+    assert worker.counters.handed_back == 1
+    assert not long.ended.is_set()  # no terminal event from the worker that gave it up
+    # Redelivered, it completes elsewhere as attempt 2.
+    await harness.start_worker(SimEngineConfig(step_s=0.001))
+    await asyncio.wait_for(long.ended.wait(), 10)
+    assert isinstance(long.terminal, Done)
+    assert long.terminal.attempt == 2
