@@ -43,6 +43,9 @@ BURST_BLOCKS = "64"
 
 PROMPT = "the agent reads the file and writes the plan for the next step"
 
+# Calls that did not succeed, with status and body: reported, never silently dropped.
+FAILURES: list[str] = []
+
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
@@ -156,7 +159,9 @@ async def stream_call(
     async with client.stream(
         "POST", "/v1/chat/completions", json=payload, headers={"X-Kvgate-Tier": tier}
     ) as resp:
-        resp.raise_for_status()
+        if resp.status_code != 200:
+            FAILURES.append(f"{resp.status_code} {(await resp.aread())[:200]!r}")
+            return {"ttft": None, "tokens": 0, "seconds": time.monotonic() - started}
         buffer = ""
         async for text in resp.aiter_text():
             buffer += text
@@ -279,7 +284,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--model", help="model directory (default: build one in a temp dir)")
-    parser.add_argument("--out", default="loadtests/results/worker.json")
+    parser.add_argument("--out", default="loadtests/results/worker-latest.json")
     parser.add_argument(
         "--guaranteed-reserve",
         type=float,
@@ -349,6 +354,7 @@ def main() -> int:
             "guaranteed_reserve": args.guaranteed_reserve,
         },
         "burst": burst,
+        "failed_calls": FAILURES,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
@@ -364,6 +370,8 @@ def main() -> int:
             f"guaranteed {burst['ttft_guaranteed_s']['p99']:.2f}s / best-effort "
             f"{burst['ttft_besteffort_s']['p99']:.2f}s"
         )
+    if FAILURES:
+        print(f"{len(FAILURES)} calls failed; first: {FAILURES[0]}")
     print(f"written to {args.out}")
     return 0
 
