@@ -11,8 +11,9 @@ import nats
 from fastapi import FastAPI
 
 from api.errors import install_error_handlers
+from api.metrics import FrontDoorMetrics
 from api.replies import ReplyRouter
-from api.routes import chat, health, models
+from api.routes import admin, chat, health, models
 from api.state import FrontDoor
 from broker.fleet import FleetView, FleetWatcher
 from broker.publisher import CallPublisher
@@ -37,6 +38,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             await watcher.start()
             replies = ReplyRouter(nc)
             await replies.start()
+            metrics = FrontDoorMetrics(fleet)
+            metrics.start(js)
             app.state.front_door = FrontDoor(
                 settings=settings,
                 nc=nc,
@@ -45,10 +48,12 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 replies=replies,
                 fleet=fleet,
                 fleet_watcher=watcher,
+                metrics=metrics,
                 started_s=int(time.time()),
             )
             log.info("kvgate api connected to %s", settings.nats_url)
             yield
+            await metrics.stop()
             await replies.stop()
             await watcher.stop()
         finally:
@@ -60,4 +65,5 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.include_router(chat.router)
     app.include_router(models.router)
     app.include_router(health.router)
+    app.include_router(admin.router)
     return app

@@ -31,6 +31,7 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.INVALID_TIER: 400,
     ErrorCode.UNSUPPORTED_PARAMETER: 400,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
+    ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
@@ -47,6 +48,8 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
 
 
 def error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
     if status == 429:
         return "rate_limit_error"
     if status < 500:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from api.metrics import FrontDoorMetrics
 from api.replies import ReplyRouter
 from broker.fleet import FleetView, FleetWatcher
 from broker.publisher import CallPublisher
@@ -22,4 +23,5 @@ class FrontDoor:
     replies: ReplyRouter
     fleet: FleetView
     fleet_watcher: FleetWatcher
+    metrics: FrontDoorMetrics
     started_s: int

@@ -7,6 +7,7 @@
     kvgate worker --model DIR  run one worker (one per GPU) embedding vLLM
     kvgate api                 run the front door
     kvgate workers             list live workers (KV usage, running, waiting, age)
+    kvgate lag [--watch]       JetStream consumer lag per tier
     kvgate up                  all of the above on one machine, for development
 """
 
@@ -135,6 +136,41 @@ def cmd_workers(args: argparse.Namespace) -> int:
     return asyncio.run(show())
 
 
+def cmd_lag(args: argparse.Namespace) -> int:
+    import nats
+
+    from broker.lag import fleet_lag, lag_table
+    from broker.settings import ApiSettings
+
+    url = args.nats_url or ApiSettings().nats_url
+
+    async def show() -> int:
+        nc = await nats.connect(url, connect_timeout=3)
+        try:
+            while True:
+                rows = await fleet_lag(nc.jetstream())
+                if args.json:
+                    import json
+
+                    import msgspec
+
+                    print(json.dumps(msgspec.to_builtins(rows)), flush=True)
+                else:
+                    if args.watch:
+                        print("\033[H\033[2J", end="")  # clear the terminal
+                    print(lag_table(rows), flush=True)
+                if not args.watch:
+                    return 0
+                await asyncio.sleep(args.interval)
+        finally:
+            await nc.close()
+
+    try:
+        return asyncio.run(show())
+    except KeyboardInterrupt:
+        return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from broker.supervisor import Supervisor
 
@@ -185,6 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     workers.add_argument("--nats-url", help="default: KVGATE_NATS_URL")
     workers.add_argument("--json", action="store_true", help="print JSON instead of a table")
     workers.set_defaults(func=cmd_workers)
+
+    lag = sub.add_parser("lag", help="JetStream consumer lag per tier")
+    lag.add_argument("--nats-url", help="default: KVGATE_NATS_URL")
+    lag.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    lag.add_argument("--interval", type=float, default=2.0)
+    lag.add_argument("--json", action="store_true")
+    lag.set_defaults(func=cmd_lag)
 
     up = sub.add_parser("up", help="embedded NATS + one worker + the front door")
     up.add_argument("--data-dir", default=".kvgate")

@@ -55,6 +55,8 @@ class ApiSettings(BaseSettings):
     # After the first event of a call, the longest silence tolerated from its worker.
     stream_idle_timeout_s: float = Field(default=60.0, gt=0)
     heartbeat_max_age_s: float = Field(default=6.0, gt=0)
+    # Bearer token for /v1/admin/*; not a tenant key. Unset: admin endpoints answer 401.
+    admin_token: str | None = None
     stream: StreamSettings = Field(default_factory=StreamSettings)
 
 

@@ -57,6 +57,7 @@ class ErrorCode(enum.StrEnum):
     BODY_TOO_LARGE = "body_too_large"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     NOT_FOUND = "not_found"
+    UNAUTHORIZED = "unauthorized"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     # Serving (HTTP 5xx, or an `error` reply event).
     DEADLINE_EXCEEDED = "deadline_exceeded"

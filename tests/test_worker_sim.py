@@ -87,17 +87,20 @@ class Harness:
     async def start_worker(
         self, config: SimEngineConfig | None = None, **options: object
     ) -> Worker:
+        settings: dict[str, object] = {
+            "heartbeat_interval_s": 0.2,
+            "pull_expires_s": 2,
+            "drain_grace_s": 5,
+            "nak_delay_s": 0.2,
+            "stream": STREAM,
+            **options,
+        }
         worker = Worker(
             SimEngine(config),
             WorkerOptions(
                 nats_url=self.url,
                 worker_id=f"sim-{len(self.workers)}",
-                heartbeat_interval_s=0.2,
-                pull_expires_s=2,
-                drain_grace_s=5,
-                nak_delay_s=0.2,
-                stream=STREAM,
-                **options,  # type: ignore[arg-type]
+                **settings,  # type: ignore[arg-type]
             ),
         )
         task = asyncio.create_task(worker.run())

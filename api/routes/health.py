@@ -12,8 +12,9 @@ import time
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from nats.js.errors import Error as JetStreamError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.deps import FrontDoorDep
 from schemas.wire import STREAM_NAME
@@ -40,3 +41,8 @@ async def readyz(door: FrontDoorDep) -> JSONResponse:
     ready = bool(checks["nats"] and checks["stream"] and workers)
     body = {"status": "ready" if ready else "not_ready", "checks": checks}
     return JSONResponse(body, status_code=200 if ready else 503)
+
+
+@router.get("/metrics", response_model=None)
+async def metrics(door: FrontDoorDep) -> Response:
+    return Response(generate_latest(door.metrics.registry), media_type=CONTENT_TYPE_LATEST)

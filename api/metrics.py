@@ -1,0 +1,128 @@
+"""Prometheus metrics of one front door, in a registry of its own (one per app instance).
+
+Call metrics are observed where a call's events are followed (``api.calls``); queue lag and
+worker readings are gauges refreshed in the background and read at scrape time, so a scrape
+never waits on NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+from nats.js import JetStreamContext
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from broker.fleet import FleetView
+from broker.lag import TierLag, fleet_lag
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+class _FleetCollector(Collector):
+    def __init__(self, fleet: FleetView, metrics: FrontDoorMetrics) -> None:
+        self._fleet = fleet
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        live = self._fleet.live(int(time.time() * 1000))
+        workers = GaugeMetricFamily("kvgate_workers_live", "Workers with a fresh heartbeat")
+        workers.add_metric([], len(live))
+        yield workers
+        usage = GaugeMetricFamily(
+            "kvgate_worker_kv_cache_usage", "Engine KV cache usage (0-1)", labels=["worker"]
+        )
+        running = GaugeMetricFamily(
+            "kvgate_worker_running", "Requests the engine is running", labels=["worker"]
+        )
+        waiting = GaugeMetricFamily(
+            "kvgate_worker_waiting", "Requests waiting in the engine", labels=["worker"]
+        )
+        for hb in live:
+            if hb.kv_cache_usage is not None:
+                usage.add_metric([hb.worker_id], hb.kv_cache_usage)
+            running.add_metric([hb.worker_id], hb.num_running)
+            waiting.add_metric([hb.worker_id], hb.num_waiting)
+        yield from (usage, running, waiting)
+        pending = GaugeMetricFamily(
+            "kvgate_queue_pending", "Calls queued, not yet delivered", labels=["tier"]
+        )
+        ack_pending = GaugeMetricFamily(
+            "kvgate_queue_ack_pending", "Calls delivered, not yet acked", labels=["tier"]
+        )
+        oldest = GaugeMetricFamily(
+            "kvgate_queue_oldest_pending_age_seconds",
+            "Age of the oldest undelivered call (0 when none)",
+            labels=["tier"],
+        )
+        for row in self._metrics.lag:
+            pending.add_metric([row.tier.value], row.pending)
+            ack_pending.add_metric([row.tier.value], row.ack_pending)
+            oldest.add_metric([row.tier.value], row.oldest_pending_age_s or 0.0)
+        yield from (pending, ack_pending, oldest)
+
+
+class FrontDoorMetrics:
+    def __init__(self, fleet: FleetView) -> None:
+        self.registry = CollectorRegistry()
+        self.calls = Counter(
+            "kvgate_calls",
+            "Calls ended, by tier and outcome (ok or an error code)",
+            ["tier", "outcome"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "kvgate_ttft_seconds",
+            "Time from the request to its first token, as the front door sees it",
+            ["tier"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "kvgate_tpot_seconds",
+            "Mean time per output token after the first, per call",
+            ["tier"],
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.first_event = Histogram(
+            "kvgate_publish_to_first_event_seconds",
+            "From publishing a call to its first reply event: queue wait plus prefill",
+            ["tier"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "kvgate_tokens_streamed",
+            "Output tokens relayed to callers",
+            ["tier"],
+            registry=self.registry,
+        )
+        self.lag: list[TierLag] = []
+        self.registry.register(_FleetCollector(fleet, self))
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, js: JetStreamContext, interval_s: float = 2.0) -> None:
+        self._task = asyncio.create_task(self._refresh(js, interval_s))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _refresh(self, js: JetStreamContext, interval_s: float) -> None:
+        while True:
+            try:
+                self.lag = await fleet_lag(js)
+            except Exception as exc:  # stale lag is better than no metrics at all
+                log.warning("could not read consumer lag: %s", exc)
+            await asyncio.sleep(interval_s)

@@ -1,0 +1,47 @@
+"""Operator views: JetStream lag per tier and the live workers. Guarded by the admin token."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Annotated, Any
+
+import msgspec
+from fastapi import APIRouter, Depends, Request
+
+from api.deps import FrontDoorDep
+from broker.errors import KvgateError
+from broker.lag import fleet_lag
+from schemas.vocab import ErrorCode
+
+
+def require_admin(request: Request, door: FrontDoorDep) -> None:
+    expected = door.settings.admin_token
+    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    if not expected or not given or not hmac.compare_digest(given, expected):
+        raise KvgateError(
+            ErrorCode.UNAUTHORIZED,
+            "admin endpoints need 'Authorization: Bearer <KVGATE_ADMIN_TOKEN>'"
+            + ("" if expected else " (no admin token is configured on this server)"),
+        )
+
+
+AdminDep = Annotated[None, Depends(require_admin)]
+router = APIRouter(prefix="/v1/admin", tags=["admin"])
+
+
+@router.get("/lag")
+async def lag(door: FrontDoorDep, _: AdminDep) -> dict[str, Any]:
+    rows = await fleet_lag(door.js)
+    return {"tiers": msgspec.to_builtins(rows)}
+
+
+@router.get("/workers")
+async def workers(door: FrontDoorDep, _: AdminDep) -> dict[str, Any]:
+    now_ms = int(time.time() * 1000)
+    live = door.fleet.live(now_ms)
+    return {
+        "workers": [
+            {**msgspec.to_builtins(hb), "age_s": (now_ms - hb.sent_ms) / 1000} for hb in live
+        ]
+    }

@@ -1,0 +1,137 @@
+"""Queue lag (API and CLI) and Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from nats.aio.client import Client as NATS
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.natsserver import EmbeddedNats
+from broker.publisher import CallPublisher
+from broker.settings import StreamSettings
+from broker.streams import provision_calls
+from tests.conftest import Stack
+from tests.procs import KVGATE, start_api
+from tests.test_streams import make_call
+from workers.sim_engine import SimEngine, SimEngineConfig
+from workers.worker import Worker, WorkerOptions
+
+TOKEN = "test-admin-token"
+
+
+@pytest.fixture
+def admin_api(nats_server: EmbeddedNats, tmp_path: Path) -> Iterator[str]:
+    proc, base = start_api(nats_server.url, tmp_path, KVGATE_ADMIN_TOKEN=TOKEN)
+    try:
+        yield base
+    finally:
+        proc.stop()
+
+
+def kvgate_lag(url: str, *args: str) -> str:
+    return subprocess.run(
+        [*KVGATE, "lag", "--nats-url", url, *args], check=True, capture_output=True, text=True
+    ).stdout
+
+
+def standard(rows: list[dict[str, object]]) -> dict[str, object]:
+    (row,) = [r for r in rows if r["tier"] == "standard"]
+    return row
+
+
+async def test_lag_reports_pending_calls_then_drains(
+    admin_api: str, nats_server: EmbeddedNats, nc: NATS
+) -> None:
+    js = nc.jetstream()
+    await provision_calls(js, StreamSettings())
+    publisher = CallPublisher(js)
+    for i in range(3):
+        call = make_call(f"lag{i}")
+        await publisher.publish(call, f"_INBOX.lag.{i}", now_ms=call.created_ms)
+
+    async with httpx.AsyncClient(base_url=admin_api) as client:
+        assert (await client.get("/v1/admin/lag")).status_code == 401
+        wrong = await client.get("/v1/admin/lag", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        assert wrong.json()["error"]["code"] == "unauthorized"
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        first = standard((await client.get("/v1/admin/lag", headers=auth)).json()["tiers"])
+        assert first["pending"] == 3
+        await asyncio.sleep(1.0)
+        second = standard((await client.get("/v1/admin/lag", headers=auth)).json()["tiers"])
+        assert second["pending"] == 3
+        assert second["oldest_pending_age_s"] > first["oldest_pending_age_s"]  # type: ignore[operator]
+
+        cli = await asyncio.to_thread(kvgate_lag, nats_server.url, "--json")
+        assert standard(json.loads(cli))["pending"] == 3
+        table = await asyncio.to_thread(kvgate_lag, nats_server.url)
+        assert table.splitlines()[0].split()[:2] == ["TIER", "PENDING"]
+
+        worker = Worker(
+            SimEngine(SimEngineConfig(step_s=0.001)),
+            WorkerOptions(nats_url=nats_server.url, worker_id="sim-lag", pull_expires_s=2),
+        )
+        task = asyncio.create_task(worker.run())
+        try:
+            async with asyncio.timeout(15):
+                while True:
+                    rows = (await client.get("/v1/admin/lag", headers=auth)).json()["tiers"]
+                    row = standard(rows)
+                    if row["pending"] == 0 and row["ack_pending"] == 0:
+                        break
+                    await asyncio.sleep(0.2)
+            assert row["oldest_pending_age_s"] is None
+            live = (await client.get("/v1/admin/workers", headers=auth)).json()["workers"]
+            assert [w["worker_id"] for w in live] == ["sim-lag"]
+        finally:
+            worker.request_stop()
+            await asyncio.wait_for(task, 10)
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+async def test_metrics_parse_and_move_when_calls_are_made(stack: Stack) -> None:
+    def value(
+        s: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+    ) -> float:
+        return s.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        before = samples((await client.get("/metrics")).text)
+        for stream in (False, True):
+            resp = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "kvgate-dev",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 5,
+                    "ignore_eos": True,
+                    "stream": stream,
+                },
+            )
+            assert resp.status_code == 200
+        await asyncio.sleep(2.5)  # one lag refresh
+        after = samples((await client.get("/metrics")).text)
+
+    ok = {"tier": "standard", "outcome": "ok"}
+    assert value(after, "kvgate_calls_total", **ok) == value(before, "kvgate_calls_total", **ok) + 2
+    tokens = "kvgate_tokens_streamed_total"
+    assert value(after, tokens, tier="standard") == value(before, tokens, tier="standard") + 10
+    ttft = "kvgate_ttft_seconds_count"
+    assert value(after, ttft, tier="standard") == value(before, ttft, tier="standard") + 2
+    assert value(after, "kvgate_workers_live") == 1
+    assert ("kvgate_worker_running", (("worker", "w1"),)) in after
+    assert ("kvgate_queue_pending", (("tier", "guaranteed"),)) in after
