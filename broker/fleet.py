@@ -14,6 +14,7 @@ import logging
 import msgspec
 from nats.js.kv import KeyValue
 
+from broker.tables import text_table
 from schemas.wire import WorkerHeartbeat, decode_heartbeat
 
 log = logging.getLogger(__name__)
@@ -89,14 +90,13 @@ async def read_fleet(kv: KeyValue, max_age_s: float) -> FleetView:
 def workers_table(workers: list[WorkerHeartbeat], now_ms: int) -> str:
     """Live workers as a fixed-width text table."""
     header = ("WORKER", "MODEL", "KV", "RUNNING", "WAITING", "STAGED", "PREEMPT", "STATE", "AGE")
-    rows = [header]
-    for hb in sorted(workers, key=lambda h: h.worker_id):
-        usage = "-" if hb.kv_cache_usage is None else f"{hb.kv_cache_usage:.0%}"
-        rows.append(
+    return text_table(
+        header,
+        [
             (
                 hb.worker_id,
                 hb.model,
-                usage,
+                "-" if hb.kv_cache_usage is None else f"{hb.kv_cache_usage:.0%}",
                 f"{hb.num_running}/{hb.max_num_seqs}",
                 str(hb.num_waiting),
                 str(hb.staged),
@@ -104,9 +104,6 @@ def workers_table(workers: list[WorkerHeartbeat], now_ms: int) -> str:
                 "draining" if hb.draining else "serving",
                 f"{(now_ms - hb.sent_ms) / 1000:.1f}s",
             )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
+            for hb in sorted(workers, key=lambda h: h.worker_id)
+        ],
     )

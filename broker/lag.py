@@ -12,6 +12,7 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from broker.tables import text_table
 from schemas.vocab import TIERS_BY_PRIORITY, Tier
 from schemas.wire import STREAM_NAME
 
@@ -58,21 +59,17 @@ async def fleet_lag(js: JetStreamContext) -> list[TierLag]:
 
 def lag_table(rows: list[TierLag]) -> str:
     header = ("TIER", "PENDING", "ACK_PENDING", "REDELIVERED", "WAITING_PULLS", "OLDEST")
-    lines = [header]
-    for row in rows:
-        oldest = "-" if row.oldest_pending_age_s is None else f"{row.oldest_pending_age_s:.1f}s"
-        lines.append(
+    return text_table(
+        header,
+        [
             (
                 row.tier.value,
                 str(row.pending),
                 str(row.ack_pending),
                 str(row.redelivered),
                 str(row.waiting_pulls),
-                oldest,
+                "-" if row.oldest_pending_age_s is None else f"{row.oldest_pending_age_s:.1f}s",
             )
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in lines
+            for row in rows
+        ],
     )

@@ -260,3 +260,16 @@ async def test_drain_hands_back_a_running_call_that_outlives_the_grace(harness: 
     await asyncio.wait_for(long.ended.wait(), 10)
     assert isinstance(long.terminal, Done)
     assert long.terminal.attempt == 2
+
+
+async def test_a_cancel_that_overtakes_its_call_stops_it_on_arrival(harness: Harness) -> None:
+    worker = await harness.start_worker()
+    await asyncio.sleep(0.2)
+    await harness.nc.publish("kvgate.cancel.early", b"")
+    await harness.nc.flush()
+    await asyncio.sleep(0.1)
+    inbox = await harness.send(call("early", max_tokens=50))
+    await asyncio.wait_for(inbox.ended.wait(), 5)
+    assert isinstance(inbox.terminal, Failed)
+    assert inbox.terminal.code == ErrorCode.CANCELLED
+    assert worker.counters.started == 0

@@ -67,6 +67,9 @@ from workers.relay import ReplyRelay
 log = logging.getLogger(__name__)
 
 _COST_EWMA = 0.2
+# How long a cancel is remembered for a call this worker has not received yet: a cancel can
+# overtake its call (the caller gave up while the call was still queued or being delivered).
+_CANCEL_MEMORY_S = 600.0
 
 
 def default_worker_id() -> str:
@@ -138,6 +141,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._fatal: BaseException | None = None
         self._arrivals: set[asyncio.Task[None]] = set()
+        self._cancelled: dict[str, float] = {}
 
     @property
     def nc(self) -> NATS:
@@ -305,6 +309,11 @@ class Worker:
         if call_id in self._running or call_id in self._staged:
             await msg.nak()  # a second delivery while the first is still here
             return
+        if call_id in self._cancelled:
+            self.counters.cancelled += 1
+            await relay.fail(ErrorCode.CANCELLED, "the call was cancelled by its caller")
+            await msg.term()
+            return
         if time.time() * 1000 >= envelope.deadline_ms:
             await self._deadline_passed(msg, relay)
             return
@@ -404,8 +413,19 @@ class Worker:
             with contextlib.suppress(Exception):
                 await msg.in_progress()
 
+    def _remember_cancel(self, call_id: str) -> None:
+        now = time.monotonic()
+        if len(self._cancelled) > 10_000 or (
+            self._cancelled and next(iter(self._cancelled.values())) < now - _CANCEL_MEMORY_S
+        ):
+            self._cancelled = {
+                k: t for k, t in self._cancelled.items() if t >= now - _CANCEL_MEMORY_S
+            }
+        self._cancelled[call_id] = now
+
     async def _on_cancel(self, msg: Msg) -> None:
         call_id = msg.subject.removeprefix(CANCEL_SUBJECT_PREFIX)
+        self._remember_cancel(call_id)
         staged = self._staged.pop(call_id, None)
         if staged is not None:
             staged.progress.cancel()
