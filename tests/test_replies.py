@@ -48,3 +48,12 @@ def test_events_round_trip_through_the_wire_encoding() -> None:
     ]
     for event in events:
         assert decode_event(encode(event)) == event
+
+
+def test_a_workers_deadline_event_becomes_a_504_with_retry_after() -> None:
+    from api.calls import failure_error
+    from api.errors import error_response
+
+    response = error_response(failure_error(Failed(0, 1, ErrorCode.DEADLINE_EXCEEDED, "late")))
+    assert response.status_code == 504
+    assert response.headers["retry-after"] == "1"
