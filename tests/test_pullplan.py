@@ -58,3 +58,9 @@ def test_a_starved_tier_is_served_first() -> None:
 def test_doorbells_on_empty_tiers_do_not_use_up_a_busy_tiers_room() -> None:
     # Room for 2 calls; doorbells idle on guaranteed and besteffort; standard has 3 waiting.
     assert plan_pulls(2, views((1, 0), (1, 3), (1, 0))) == {S: 2}
+
+
+def test_the_top_tier_keeps_its_doorbell_when_lower_tiers_used_the_room() -> None:
+    assert plan_pulls(0, views((0, 0), (0, 0), (1, 9)), top_tier_room=True) == {G: 1}
+    assert plan_pulls(0, views((0, 0), (0, 0), (1, 9)), top_tier_room=False) == {}
+    assert plan_pulls(0, views((1, 0), (0, 0), (1, 9)), top_tier_room=True) == {}

@@ -273,3 +273,24 @@ async def test_a_cancel_that_overtakes_its_call_stops_it_on_arrival(harness: Har
     assert isinstance(inbox.terminal, Failed)
     assert inbox.terminal.code == ErrorCode.CANCELLED
     assert worker.counters.started == 0
+
+
+async def test_staged_lower_tier_calls_do_not_keep_a_guaranteed_call_out(harness: Harness) -> None:
+    config = SimEngineConfig(max_num_seqs=16, kv_capacity_tokens=1024, block_size=16, step_s=0.01)
+    policy = HeadroomPolicy(high_water=0.9, guaranteed_reserve=0.25)
+    await harness.start_worker(config, headroom=policy)
+    # Each best-effort call costs 416 tokens and runs 4 s: one fits in the non-reserved
+    # share, the next waits staged, so no room is left for more lower-tier credit.
+    low = [
+        await harness.send(call(f"be{i}", tier=Tier.BESTEFFORT, max_tokens=400)) for i in range(3)
+    ]
+    # Past the first pull requests' expiry (2 s): every doorbell open now was renewed under
+    # that pressure.
+    await asyncio.sleep(3.0)
+    sent = time.monotonic()
+    urgent = await harness.send(call("g", tier=Tier.GUARANTEED, max_tokens=10))
+    await asyncio.wait_for(urgent.started.wait(), 5)
+    assert time.monotonic() - sent < 0.5  # started in the reserve, not after a best-effort call
+    await asyncio.wait_for(urgent.ended.wait(), 5)
+    for inbox in low:
+        await asyncio.wait_for(inbox.ended.wait(), 30)

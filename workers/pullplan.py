@@ -40,7 +40,9 @@ def held_back(tiers: Sequence[TierView]) -> set[Tier]:
     return result
 
 
-def plan_pulls(free_calls: int, tiers: Sequence[TierView]) -> dict[Tier, int]:
+def plan_pulls(
+    free_calls: int, tiers: Sequence[TierView], *, top_tier_room: bool = False
+) -> dict[Tier, int]:
     """New credit per tier; ``tiers`` highest priority first, ``free_calls`` from the headroom
     (calls that fit, not counting credit already open).
 
@@ -50,9 +52,14 @@ def plan_pulls(free_calls: int, tiers: Sequence[TierView]) -> dict[Tier, int]:
     tiers would use up the room a busy tier needs. An extra arrival waits staged in the
     worker; it never over-commits the engine, whose starts ``workers.headroom`` decides.
     Credit beyond doorbells never exceeds ``free_calls``.
+
+    ``top_tier_room``: the highest tier still has room of its own (the guaranteed reserve),
+    so it keeps its doorbell even when lower-tier work has used up ``free_calls``.
     """
     plan: dict[Tier, int] = {}
     if free_calls <= 0:
+        if top_tier_room and tiers and tiers[0].outstanding == 0:
+            plan[tiers[0].tier] = 1
         return plan
     order = [v for v in tiers if v.starved] + [v for v in tiers if not v.starved]
     waiting = held_back(tiers)

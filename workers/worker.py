@@ -23,7 +23,9 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import nats
@@ -233,9 +235,19 @@ class Worker:
             call.task.add_done_callback(functools.partial(self._finished, call))
 
     async def _open_credit(self, now: float) -> None:
+        room = self._room()
+        staged = [c.staged for c in self._staged.values()]
+        top = TIERS_BY_PRIORITY[0]
+        top_staged = [c for c in staged if c.tier is top]
+        # Staged lower-tier calls must not keep a guaranteed call from being fetched: it may
+        # start in the reserve they cannot use.
+        top_tier_room = (
+            room.seqs - len(top_staged) > 0
+            and room.tokens - sum(c.cost for c in top_staged) >= self.engine.stats().block_size
+        )
         free = fetchable_calls(
-            self._room(),
-            staged=[c.staged for c in self._staged.values()],
+            room,
+            staged=staged,
             capacity_tokens=self.engine.stats().kv_capacity_tokens,
             est_call_tokens=int(self._est_call_tokens),
             engine_idle=not self._running,
@@ -261,7 +273,7 @@ class Worker:
             )
             for v in plain
         ]
-        for tier, n in plan_pulls(free, views).items():
+        for tier, n in plan_pulls(free, views, top_tier_room=top_tier_room).items():
             await self._pullers[tier].request(n)
 
     def _next_wake_s(self) -> float:
@@ -281,8 +293,8 @@ class Worker:
             return
         self._spawn(self._arrive(tier, msg))
 
-    def _spawn(self, coro: object) -> None:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._arrivals.add(task)
         task.add_done_callback(self._arrivals.discard)
 
