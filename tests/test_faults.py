@@ -107,7 +107,9 @@ async def test_sigterm_finishes_running_calls_and_exits_zero(
             asyncio.create_task(client.post("/v1/chat/completions", json=body(400)))
             for _ in range(3)
         ]
-        running = await holders(fleet, 3)
+        # Stop a worker that is running calls; whether the three run side by side or one
+        # after another depends on the machine's load, not on what is tested here.
+        running = await holders(fleet, 1)
         name = max(running, key=lambda k: running[k])
         worker = faults.workers[name]
         worker.signal(signal.SIGTERM)
