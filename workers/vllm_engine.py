@@ -141,12 +141,6 @@ class VllmEngine:
         )
         async for _ in self.generate(self.prepare(request)):
             pass
-        # vLLM reports scheduler stats only when it steps, and the reading from the step in
-        # which the warm-up finished still counts it as running; the idle engine takes no
-        # further step to correct that. Start serving from "not reported yet" instead.
-        self._reading.kv_cache_usage = None
-        self._reading.num_running = 0
-        self._reading.num_waiting = 0
 
     @property
     def model_name(self) -> str:
