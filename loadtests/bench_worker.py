@@ -61,9 +61,10 @@ async def run_direct(model: Path, calls: int, max_tokens: int) -> dict[str, Any]
     from schemas.wire import ChatMessage, SamplingParams
     from workers.engine import EngineRequest
     from workers.main import engine_config
-    from workers.vllm_engine import VllmEngine
+    from workers.vllm_engine import VllmEngine, VllmEngineConfig
 
     config = engine_config(WorkerSettings(model=model))
+    assert isinstance(config, VllmEngineConfig)
     engine = await VllmEngine.start(config)
     try:
 

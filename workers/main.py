@@ -9,13 +9,14 @@ import signal
 from broker.settings import WorkerSettings
 from workers.engine import EngineDeadError
 from workers.headroom import HeadroomPolicy
-from workers.vllm_engine import VllmEngine, VllmEngineConfig
 from workers.worker import Worker, WorkerOptions, default_worker_id
 
 log = logging.getLogger(__name__)
 
 
-def engine_config(settings: WorkerSettings) -> VllmEngineConfig:
+def engine_config(settings: WorkerSettings) -> object:
+    from workers.vllm_engine import VllmEngineConfig
+
     return VllmEngineConfig(
         model=str(settings.model),
         served_model_name=settings.served_model_name,
@@ -33,6 +34,8 @@ def engine_config(settings: WorkerSettings) -> VllmEngineConfig:
 
 async def serve(settings: WorkerSettings) -> int:
     """Exit status: 0 after a clean drain, 1 when the engine died."""
+    from workers.vllm_engine import VllmEngine, VllmEngineConfig
+
     if not (settings.model / "config.json").is_file():
         log.error(
             "no model at %s (build one with `kvgate model build %s`)",
@@ -41,6 +44,7 @@ async def serve(settings: WorkerSettings) -> int:
         )
         return 2
     config = engine_config(settings)
+    assert isinstance(config, VllmEngineConfig)
     # A stop asked for while the engine loads (seconds) is honoured once it has loaded:
     # the engine is then shut down cleanly instead of being orphaned.
     stop_early = asyncio.Event()

@@ -51,7 +51,6 @@ from workers.engine import (
     EngineError,
     EngineRequest,
     EngineRequestError,
-    EngineStats,
     PreparedRequest,
 )
 from workers.headroom import (
@@ -206,9 +205,9 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), self._next_wake_s())
 
-    def _room(self, stats: EngineStats | None = None) -> Headroom:
+    def _room(self) -> Headroom:
         return headroom(
-            stats or self.engine.stats(),
+            self.engine.stats(),
             committed_tokens=self._committed_tokens,
             committed_seqs=len(self._running),
             policy=self.options.headroom,
@@ -236,8 +235,7 @@ class Worker:
             call.task.add_done_callback(functools.partial(self._finished, call))
 
     async def _open_credit(self, now: float) -> None:
-        stats = self.engine.stats()
-        room = self._room(stats)
+        room = self._room()
         staged = [c.staged for c in self._staged.values()]
         top = TIERS_BY_PRIORITY[0]
         top_staged = [c for c in staged if c.tier is top]
@@ -245,12 +243,12 @@ class Worker:
         # start in the reserve they cannot use.
         top_tier_room = (
             room.seqs - len(top_staged) > 0
-            and room.tokens - sum(c.cost for c in top_staged) >= stats.block_size
+            and room.tokens - sum(c.cost for c in top_staged) >= self.engine.stats().block_size
         )
         free = fetchable_calls(
             room,
             staged=staged,
-            capacity_tokens=stats.kv_capacity_tokens,
+            capacity_tokens=self.engine.stats().kv_capacity_tokens,
             est_call_tokens=int(self._est_call_tokens),
             engine_idle=not self._running,
             policy=self.options.headroom,
