@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from broker.errors import KvgateError, RetryableError
+from broker.errors import KvgateError
 from schemas.openai import ErrorBody, ErrorDetail
 from schemas.vocab import ErrorCode
 
@@ -32,6 +32,18 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.UNSUPPORTED_PARAMETER: 400,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
     ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.TIER_NOT_ALLOWED: 403,
+    ErrorCode.SESSION_NOT_FOUND: 404,
+    ErrorCode.SESSION_CLOSED: 409,
+    ErrorCode.SESSION_EXPIRED: 410,
+    ErrorCode.TENANT_QUOTA: 429,
+    ErrorCode.TIER_CAPACITY: 503,
+    ErrorCode.FLEET_SATURATED: 503,
+    ErrorCode.DEADLINE_INFEASIBLE: 503,
+    ErrorCode.EXCEEDS_CAPACITY: 503,
+    ErrorCode.NO_WORKERS: 503,
+    ErrorCode.DRAINING: 503,
+    ErrorCode.ADMISSION_UNAVAILABLE: 503,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
@@ -67,12 +79,13 @@ def error_body(exc: KvgateError) -> ErrorBody:
         error=ErrorDetail(
             message=exc.message, type=error_type(status), code=exc.code.value, param=exc.param
         ),
-        retry_after=exc.retry_after if isinstance(exc, RetryableError) else None,
+        retry_after=exc.retry_after,
+        decision=exc.decision,
     )
 
 
 def error_response(exc: KvgateError) -> JSONResponse:
-    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, RetryableError) else None
+    headers = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
     return JSONResponse(error_body(exc).to_json(), STATUS_BY_CODE[exc.code], headers=headers)
 
 

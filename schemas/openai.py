@@ -144,9 +144,13 @@ class ErrorBody(BaseModel):
 
     error: ErrorDetail
     retry_after: int | None = None
+    decision: str | None = None
+    """``defer`` or ``reject`` when admission refused."""
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"error": self.error.model_dump()}
         if self.retry_after is not None:
             body["retry_after"] = self.retry_after
+        if self.decision is not None:
+            body["decision"] = self.decision
         return body

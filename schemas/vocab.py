@@ -59,6 +59,19 @@ class ErrorCode(enum.StrEnum):
     NOT_FOUND = "not_found"
     UNAUTHORIZED = "unauthorized"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    TIER_NOT_ALLOWED = "tier_not_allowed"
+    SESSION_NOT_FOUND = "session_not_found"
+    SESSION_CLOSED = "session_closed"
+    SESSION_EXPIRED = "session_expired"
+    # Admission refusals (HTTP 429/503): the values of ``Reason`` other than ``admitted``.
+    TENANT_QUOTA = "tenant_quota"
+    TIER_CAPACITY = "tier_capacity"
+    FLEET_SATURATED = "fleet_saturated"
+    DEADLINE_INFEASIBLE = "deadline_infeasible"
+    EXCEEDS_CAPACITY = "exceeds_capacity"
+    NO_WORKERS = "no_workers"
+    DRAINING = "draining"
+    ADMISSION_UNAVAILABLE = "admission_unavailable"
     # Serving (HTTP 5xx, or an `error` reply event).
     DEADLINE_EXCEEDED = "deadline_exceeded"
     QUEUE_FULL = "queue_full"
@@ -67,3 +80,39 @@ class ErrorCode(enum.StrEnum):
     ENGINE_ERROR = "engine_error"
     CANCELLED = "cancelled"
     INTERNAL_ERROR = "internal_error"
+
+
+class Decision(enum.StrEnum):
+    """What admission answers a session (or a call with no session)."""
+
+    ADMIT = "admit"
+    DEFER = "defer"
+    """Not now, but soon: 503 with an honest ``Retry-After``."""
+    REJECT = "reject"
+    """Not like this: 429 when the tenant is over its share, 503 when the fleet cannot take it."""
+
+
+class Reason(enum.StrEnum):
+    """Why admission decided what it did. Every refusal reason is also an ``ErrorCode``."""
+
+    ADMITTED = "admitted"
+    ADMITTED_DEGRADED = "admitted_degraded"
+    """Admitted against this replica's local budget while the shared state was unreachable."""
+    TENANT_QUOTA = "tenant_quota"
+    TIER_CAPACITY = "tier_capacity"
+    FLEET_SATURATED = "fleet_saturated"
+    DEADLINE_INFEASIBLE = "deadline_infeasible"
+    EXCEEDS_CAPACITY = "exceeds_capacity"
+    NO_WORKERS = "no_workers"
+    DRAINING = "draining"
+    ADMISSION_UNAVAILABLE = "admission_unavailable"
+
+    @property
+    def error_code(self) -> ErrorCode:
+        return ErrorCode(self.value)
+
+
+class SessionState(enum.StrEnum):
+    ACTIVE = "active"
+    CLOSED = "closed"
+    EXPIRED = "expired"
