@@ -171,6 +171,21 @@ def cmd_lag(args: argparse.Namespace) -> int:
         return 0
 
 
+def cmd_key_hash(args: argparse.Namespace) -> int:
+    """Print the ``key_sha256`` of an API key for the tenants file (the key is read from
+    stdin when not given, so that it stays out of shell history)."""
+    import sys
+
+    from broker.tenants import hash_key
+
+    key = args.key if args.key is not None else sys.stdin.readline().strip()
+    if not key:
+        print("kvgate key hash: empty key", file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from broker.supervisor import Supervisor
 
@@ -195,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("dir")
     build.add_argument("--force", action="store_true", help="rebuild even if present")
     build.set_defaults(func=cmd_model_build)
+
+    key = sub.add_parser("key", help="tenant API keys").add_subparsers(
+        dest="key_command", required=True
+    )
+    key_hash = key.add_parser("hash", help="print a key's sha256 for the tenants file")
+    key_hash.add_argument("key", nargs="?", help="the key (default: read one line from stdin)")
+    key_hash.set_defaults(func=cmd_key_hash)
 
     nats_p = sub.add_parser("nats", help="run the embedded NATS server")
     nats_p.add_argument("--port", type=int, default=DEFAULT_NATS_PORT, help="0 picks a free one")

@@ -1,0 +1,304 @@
+"""Session admission: admit, defer or reject a whole agent session. Pure: no I/O, the clock and
+the jitter are arguments, so a decision takes microseconds and a test needs no server.
+
+What a session reserves is its peak KV footprint, ``max_parallel * (est_prompt + est_output)``
+tokens, against the fleet's live KV capacity (times ``kv_overcommit``, the operator's choice of
+how much queueing in JetStream to accept). Checks, in order:
+
+1. the tenant's quotas (concurrent sessions, parallel calls, tokens per minute) → 429;
+2. live workers: none fresh → ``no_workers``; all draining → ``draining`` (defer);
+3. a session bigger than its tier may ever hold → ``exceeds_capacity`` (reject);
+4. the session cannot finish by its deadline even if it started now at the fastest decode
+   speed per sequence the fleet currently shows → ``deadline_infeasible`` (reject);
+5. fleet pressure (hysteresis, below) shuts out lower tiers first → ``fleet_saturated``;
+6. the nested tier shares (see ``broker.tenants``) → ``tier_capacity``; then the fleet total →
+   ``fleet_saturated`` (defer).
+
+The state store re-checks 1 and 6 atomically when it reserves (``broker.admission_state``), so
+replicas racing on the same snapshot cannot over-admit; this function is the fast, explainable
+first answer. A reading older than ``max_age_s`` is no capacity, never an idle worker.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from broker.tenants import Tenant, TierPolicy
+from schemas.vocab import TIERS_BY_PRIORITY, Decision, Reason, Tier
+
+MIN_RETRY_AFTER_S = 1
+MAX_RETRY_AFTER_S = 60
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReading:
+    worker_id: str
+    kv_usage: float | None
+    kv_capacity_tokens: int | None
+    running: int
+    waiting: int
+    max_num_seqs: int
+    tokens_per_s: float | None
+    age_s: float
+    draining: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    workers: tuple[WorkerReading, ...]
+    pending_by_tier: Mapping[Tier, int] | None
+    """JetStream consumer backlog per tier; ``None`` when the lag could not be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """Reservations currently held, as the state store reports them."""
+
+    reserved_by_tier: Mapping[Tier, int]
+    tenant_sessions: int
+    tenant_parallel: int
+    tenant_tokens_this_minute: int
+    released_tokens_per_s: float
+    """How fast reservations were released over the last minute (for ``Retry-After``)."""
+    seconds_to_next_minute: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class SessionNeed:
+    tier: Tier
+    max_parallel: int
+    expected_calls: int
+    est_prompt_tokens: int
+    est_output_tokens: int
+    deadline_s: float
+
+    @property
+    def call_tokens(self) -> int:
+        return self.est_prompt_tokens + self.est_output_tokens
+
+    @property
+    def reserve_tokens(self) -> int:
+        return self.max_parallel * self.call_tokens
+
+    @property
+    def total_tokens(self) -> int:
+        return self.expected_calls * self.call_tokens
+
+
+class Pressure(enum.IntEnum):
+    NORMAL = 0
+    ELEVATED = 1
+    """Best-effort sessions wait."""
+    SATURATED = 2
+    """Only guaranteed sessions are admitted."""
+
+
+@dataclass(frozen=True, slots=True)
+class PressureBands:
+    elevate_at: float = 0.85
+    saturate_at: float = 1.0
+    # Recovery bands sit below the escalation bands, so a load hovering at a threshold cannot
+    # flip the state back and forth.
+    recover_elevated_below: float = 0.70
+    recover_saturated_below: float = 0.85
+    confirm_readings: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionPolicy:
+    tiers: Mapping[Tier, TierPolicy]
+    kv_overcommit: float = 1.0
+    bands: PressureBands = field(default_factory=PressureBands)
+    default_retry_after_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    decision: Decision
+    reason: Reason
+    retry_after_s: int | None
+    reserve_tokens: int
+    tier_limits: tuple[int, ...]
+    """Token ceiling of each nested tier group, highest tier first (what the store enforces)."""
+    signals: Mapping[str, float | int | str | None]
+
+    @property
+    def admitted(self) -> bool:
+        return self.decision is Decision.ADMIT
+
+
+def fleet_load(fleet: FleetSnapshot, max_age_s: float) -> float | None:
+    """One number for "how full is the fleet": the larger of its capacity-weighted KV usage and
+    its queue backlog in units of two full batches. ``None`` with no fresh reading."""
+    live = [w for w in fleet.workers if w.age_s <= max_age_s and not w.draining]
+    if not live:
+        return None
+    capacity = sum(w.kv_capacity_tokens or 0 for w in live)
+    if capacity > 0:
+        used = sum((w.kv_usage or 0.0) * (w.kv_capacity_tokens or 0) for w in live)
+        kv = used / capacity
+    else:
+        kv = max((w.kv_usage or 0.0) for w in live)
+    slots = sum(w.max_num_seqs for w in live)
+    queued = sum(w.waiting for w in live)
+    if fleet.pending_by_tier is not None:
+        queued += sum(fleet.pending_by_tier.values())
+    backlog = queued / (2 * slots) if slots else 0.0
+    return max(kv, backlog)
+
+
+class PressureTracker:
+    """Pressure state with hysteresis: a change is confirmed over ``confirm_readings``
+    consecutive readings, escalation and recovery use different bands, and it moves one level
+    at a time. A missing reading (no live worker) leaves the state as it is."""
+
+    def __init__(self, bands: PressureBands | None = None) -> None:
+        self.bands = bands or PressureBands()
+        self.state = Pressure.NORMAL
+        self._streak = 0
+        self._toward: Pressure | None = None
+
+    def _target(self, load: float) -> Pressure:
+        b = self.bands
+        if self.state is Pressure.NORMAL:
+            return Pressure.ELEVATED if load >= b.elevate_at else Pressure.NORMAL
+        if self.state is Pressure.ELEVATED:
+            if load >= b.saturate_at:
+                return Pressure.SATURATED
+            return Pressure.NORMAL if load < b.recover_elevated_below else Pressure.ELEVATED
+        return Pressure.ELEVATED if load < b.recover_saturated_below else Pressure.SATURATED
+
+    def observe(self, load: float | None) -> Pressure:
+        if load is None:
+            return self.state
+        target = self._target(load)
+        if target is self.state:
+            self._streak, self._toward = 0, None
+            return self.state
+        if target is not self._toward:
+            self._streak, self._toward = 0, target
+        self._streak += 1
+        if self._streak >= self.bands.confirm_readings:
+            self.state, self._streak, self._toward = target, 0, None
+        return self.state
+
+
+def tier_limits(policy: AdmissionPolicy, capacity_tokens: int) -> tuple[int, ...]:
+    """The token ceiling of each nested group (a tier and all tiers below it)."""
+    return tuple(int(policy.tiers[t].share * capacity_tokens) for t in TIERS_BY_PRIORITY)
+
+
+def group_reserved(reserved_by_tier: Mapping[Tier, int]) -> tuple[int, ...]:
+    """Tokens held by each nested group, highest tier first."""
+    held = [reserved_by_tier.get(t, 0) for t in TIERS_BY_PRIORITY]
+    return tuple(sum(held[i:]) for i in range(len(held)))
+
+
+def decide(
+    need: SessionNeed,
+    tenant: Tenant,
+    fleet: FleetSnapshot,
+    holdings: Holdings,
+    pressure: Pressure,
+    policy: AdmissionPolicy,
+    *,
+    max_age_s: float,
+    jitter: float,
+) -> AdmissionDecision:
+    """``jitter`` in [0, 1) spreads retries: ``Retry-After`` estimates are scaled by 0.8 to 1.2."""
+    live = [w for w in fleet.workers if w.age_s <= max_age_s]
+    serving = [w for w in live if not w.draining]
+    capacity = int(sum(w.kv_capacity_tokens or 0 for w in serving) * policy.kv_overcommit)
+    limits = tier_limits(policy, capacity)
+    groups = group_reserved(holdings.reserved_by_tier)
+    reserved = groups[0]
+    signals: dict[str, float | int | str | None] = {
+        "workers_live": len(live),
+        "workers_stale": len(fleet.workers) - len(live),
+        "capacity_tokens": capacity,
+        "reserved_tokens": reserved,
+        "need_tokens": need.reserve_tokens,
+        "pressure": pressure.name.lower(),
+        "pending": None if fleet.pending_by_tier is None else sum(fleet.pending_by_tier.values()),
+        "tenant_sessions": holdings.tenant_sessions,
+        "release_tokens_per_s": round(holdings.released_tokens_per_s, 3),
+    }
+
+    def answer(
+        decision: Decision, reason: Reason, wait_s: float | None = None
+    ) -> AdmissionDecision:
+        retry = None if wait_s is None else _retry_after(wait_s, jitter)
+        return AdmissionDecision(decision, reason, retry, need.reserve_tokens, limits, signals)
+
+    def wait_for(shortfall: int) -> float:
+        if holdings.released_tokens_per_s > 0:
+            return shortfall / holdings.released_tokens_per_s
+        return policy.default_retry_after_s
+
+    # 1. The tenant's own quotas: retrying helps only once the tenant's own work ends.
+    if holdings.tenant_sessions + 1 > tenant.max_sessions:
+        return answer(Decision.REJECT, Reason.TENANT_QUOTA, policy.default_retry_after_s)
+    if holdings.tenant_parallel + need.max_parallel > tenant.max_parallel_calls:
+        return answer(Decision.REJECT, Reason.TENANT_QUOTA, policy.default_retry_after_s)
+    if holdings.tenant_tokens_this_minute + need.total_tokens > tenant.tokens_per_minute:
+        return answer(Decision.REJECT, Reason.TENANT_QUOTA, holdings.seconds_to_next_minute)
+
+    # 2. Live capacity. Stale readings were dropped above: unknown is never idle.
+    if not live:
+        return answer(Decision.DEFER, Reason.NO_WORKERS, policy.default_retry_after_s)
+    if not serving:
+        return answer(Decision.DEFER, Reason.DRAINING, policy.default_retry_after_s)
+
+    # 3. Bigger than the tier could ever hold on this fleet.
+    index = TIERS_BY_PRIORITY.index(need.tier)
+    if need.reserve_tokens > limits[index]:
+        return answer(Decision.REJECT, Reason.EXCEEDS_CAPACITY, MAX_RETRY_AFTER_S)
+
+    # 4. Too slow to finish by its deadline even if it started now, at the fastest speed per
+    # sequence the fleet shows. With no speed observed yet, nothing is rejected on a guess.
+    observed = [w.tokens_per_s / w.running for w in serving if w.tokens_per_s and w.running]
+    if observed:
+        rounds = math.ceil(need.expected_calls / need.max_parallel)
+        fastest_s = rounds * need.est_output_tokens / max(observed)
+        signals["fastest_finish_s"] = round(fastest_s, 3)
+        if fastest_s > need.deadline_s:
+            return answer(Decision.REJECT, Reason.DEADLINE_INFEASIBLE)
+
+    # 5. Pressure from the live signals closes lower tiers first.
+    if (pressure is Pressure.SATURATED and need.tier is not Tier.GUARANTEED) or (
+        pressure is Pressure.ELEVATED and need.tier is Tier.BESTEFFORT
+    ):
+        return answer(Decision.DEFER, Reason.FLEET_SATURATED, policy.default_retry_after_s)
+
+    # 6. Room in every nested group the session's tier belongs to.
+    for i in range(index, 0, -1):
+        if groups[i] + need.reserve_tokens > limits[i]:
+            return answer(
+                Decision.DEFER,
+                Reason.TIER_CAPACITY,
+                wait_for(groups[i] + need.reserve_tokens - limits[i]),
+            )
+    if reserved + need.reserve_tokens > limits[0]:
+        return answer(
+            Decision.DEFER,
+            Reason.FLEET_SATURATED,
+            wait_for(reserved + need.reserve_tokens - limits[0]),
+        )
+    return answer(Decision.ADMIT, Reason.ADMITTED)
+
+
+def _retry_after(wait_s: float, jitter: float) -> int:
+    scaled = wait_s * (0.8 + 0.4 * jitter)
+    return max(MIN_RETRY_AFTER_S, min(MAX_RETRY_AFTER_S, math.ceil(scaled)))
+
+
+def retry_after_for_shortfall(
+    shortfall_tokens: int, released_tokens_per_s: float, default_s: float, jitter: float
+) -> int:
+    """``Retry-After`` for a reservation the store refused (a replica won the race)."""
+    if released_tokens_per_s > 0:
+        return _retry_after(shortfall_tokens / released_tokens_per_s, jitter)
+    return _retry_after(default_s, jitter)

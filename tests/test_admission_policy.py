@@ -1,0 +1,295 @@
+"""The pure admission policy: every reason code, the nested tier shares, Retry-After and the
+pressure hysteresis. No server: each decision is a function call."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from broker.admission import (
+    AdmissionPolicy,
+    FleetSnapshot,
+    Holdings,
+    Pressure,
+    PressureBands,
+    PressureTracker,
+    SessionNeed,
+    WorkerReading,
+    decide,
+    fleet_load,
+)
+from broker.tenants import DEFAULT_TIERS, Tenant
+from schemas.vocab import Decision, Reason, Tier
+
+POLICY = AdmissionPolicy(tiers=DEFAULT_TIERS)
+TENANT = Tenant(
+    id="acme",
+    key_sha256="a" * 64,
+    max_tier=Tier.GUARANTEED,
+    max_sessions=3,
+    max_parallel_calls=40,
+    tokens_per_minute=100_000,
+)
+MAX_AGE_S = 3.0
+
+
+def worker(
+    worker_id: str = "w1",
+    *,
+    capacity: int = 10_000,
+    usage: float = 0.1,
+    age_s: float = 0.5,
+    draining: bool = False,
+    running: int = 2,
+    waiting: int = 0,
+    tokens_per_s: float | None = None,
+) -> WorkerReading:
+    return WorkerReading(
+        worker_id=worker_id,
+        kv_usage=usage,
+        kv_capacity_tokens=capacity,
+        running=running,
+        waiting=waiting,
+        max_num_seqs=16,
+        tokens_per_s=tokens_per_s,
+        age_s=age_s,
+        draining=draining,
+    )
+
+
+def fleet(*workers: WorkerReading, pending: int = 0) -> FleetSnapshot:
+    return FleetSnapshot(workers or (worker(),), {Tier.STANDARD: pending})
+
+
+def holdings(
+    guaranteed: int = 0,
+    standard: int = 0,
+    besteffort: int = 0,
+    *,
+    sessions: int = 0,
+    parallel: int = 0,
+    tokens: int = 0,
+    release_rate: float = 0.0,
+) -> Holdings:
+    return Holdings(
+        reserved_by_tier={
+            Tier.GUARANTEED: guaranteed,
+            Tier.STANDARD: standard,
+            Tier.BESTEFFORT: besteffort,
+        },
+        tenant_sessions=sessions,
+        tenant_parallel=parallel,
+        tenant_tokens_this_minute=tokens,
+        released_tokens_per_s=release_rate,
+        seconds_to_next_minute=17.5,
+    )
+
+
+def need(tier: Tier = Tier.STANDARD, parallel: int = 4, **kw: float) -> SessionNeed:
+    values = {
+        "expected_calls": 8,
+        "est_prompt_tokens": 200,
+        "est_output_tokens": 50,
+        "deadline_s": 300.0,
+    }
+    values.update(kw)
+    return SessionNeed(
+        tier=tier,
+        max_parallel=parallel,
+        expected_calls=int(values["expected_calls"]),
+        est_prompt_tokens=int(values["est_prompt_tokens"]),
+        est_output_tokens=int(values["est_output_tokens"]),
+        deadline_s=values["deadline_s"],
+    )
+
+
+def run(
+    n: SessionNeed | None = None,
+    f: FleetSnapshot | None = None,
+    h: Holdings | None = None,
+    pressure: Pressure = Pressure.NORMAL,
+    jitter: float = 0.5,
+    policy: AdmissionPolicy = POLICY,
+) -> tuple[Decision, Reason, int | None]:
+    d = decide(
+        n or need(),
+        TENANT,
+        f or fleet(),
+        h or holdings(),
+        pressure,
+        policy,
+        max_age_s=MAX_AGE_S,
+        jitter=jitter,
+    )
+    return d.decision, d.reason, d.retry_after_s
+
+
+def test_a_session_that_fits_is_admitted_with_its_peak_footprint_reserved() -> None:
+    d = decide(
+        need(parallel=4), TENANT, fleet(), holdings(), Pressure.NORMAL, POLICY,
+        max_age_s=MAX_AGE_S, jitter=0.0,
+    )  # fmt: skip
+    assert (d.decision, d.reason, d.retry_after_s) == (Decision.ADMIT, Reason.ADMITTED, None)
+    assert d.reserve_tokens == 4 * 250
+    assert d.tier_limits == (10_000, 8_000, 5_000)
+    assert d.signals["capacity_tokens"] == 10_000
+
+
+@pytest.mark.parametrize(
+    "h",
+    [
+        holdings(sessions=3),  # concurrent sessions
+        holdings(sessions=1, parallel=37),  # parallel calls: 37 + 4 > 40
+        holdings(tokens=99_000),  # tokens per minute: 8 calls x 250 more than allowed
+    ],
+)
+def test_tenant_over_its_quota_is_rejected_429_style(h: Holdings) -> None:
+    decision, reason, retry = run(h=h)
+    assert (decision, reason) == (Decision.REJECT, Reason.TENANT_QUOTA)
+    assert retry is not None and 1 <= retry <= 60
+
+
+def test_tokens_per_minute_retry_after_is_the_rest_of_the_minute() -> None:
+    _, _, retry = run(h=holdings(tokens=99_000), jitter=0.5)
+    assert retry == 18  # 17.5 s left, jitter factor 1.0
+
+
+def test_no_live_worker_defers_and_a_stale_reading_is_not_capacity() -> None:
+    assert run(f=FleetSnapshot((), None))[:2] == (Decision.DEFER, Reason.NO_WORKERS)
+    stale = fleet(worker(age_s=MAX_AGE_S + 0.1, usage=0.0))
+    assert run(f=stale)[:2] == (Decision.DEFER, Reason.NO_WORKERS)
+    # A fresh worker plus a stale one: only the fresh one's capacity counts.
+    mixed = fleet(worker("fresh", capacity=1_000), worker("stale", capacity=50_000, age_s=9))
+    assert run(need(parallel=4), mixed)[:2] == (Decision.REJECT, Reason.EXCEEDS_CAPACITY)
+
+
+def test_an_all_draining_fleet_defers_with_draining() -> None:
+    assert run(f=fleet(worker(draining=True)))[:2] == (Decision.DEFER, Reason.DRAINING)
+
+
+def test_a_session_larger_than_its_tier_could_ever_hold_is_rejected() -> None:
+    # Best-effort may hold 50% of 10,000 tokens: 21 x 250 = 5,250 never fits.
+    assert run(need(Tier.BESTEFFORT, parallel=21))[:2] == (
+        Decision.REJECT,
+        Reason.EXCEEDS_CAPACITY,
+    )
+    assert run(need(Tier.GUARANTEED, parallel=21))[:2] == (Decision.ADMIT, Reason.ADMITTED)
+
+
+def test_a_deadline_the_session_cannot_meet_is_rejected_without_retry_after() -> None:
+    # 20 tokens/s over 2 running sequences: 10 tokens/s each. 8 calls, 2 at a time, 50 tokens
+    # each: 4 rounds of 5 s = 20 s.
+    f = fleet(worker(tokens_per_s=20.0, running=2))
+    decision, reason, retry = run(need(parallel=2, deadline_s=19), f)
+    assert (decision, reason, retry) == (Decision.REJECT, Reason.DEADLINE_INFEASIBLE, None)
+    assert run(need(parallel=2, deadline_s=21), f)[1] is Reason.ADMITTED
+    assert run(need(parallel=8, deadline_s=6), f)[1] is Reason.ADMITTED  # one round
+
+
+def test_with_no_observed_speed_no_deadline_is_rejected_on_a_guess() -> None:
+    assert run(need(parallel=1, deadline_s=0.5))[1] is Reason.ADMITTED
+    idle = fleet(worker(tokens_per_s=0.0, running=0))
+    assert run(need(parallel=1, deadline_s=0.5), idle)[1] is Reason.ADMITTED
+
+
+@pytest.mark.parametrize(
+    ("pressure", "tier", "reason"),
+    [
+        (Pressure.ELEVATED, Tier.BESTEFFORT, Reason.FLEET_SATURATED),
+        (Pressure.ELEVATED, Tier.STANDARD, Reason.ADMITTED),
+        (Pressure.SATURATED, Tier.STANDARD, Reason.FLEET_SATURATED),
+        (Pressure.SATURATED, Tier.GUARANTEED, Reason.ADMITTED),
+    ],
+)
+def test_pressure_shuts_out_lower_tiers_first(
+    pressure: Pressure, tier: Tier, reason: Reason
+) -> None:
+    decision, got, retry = run(need(tier), pressure=pressure)
+    assert got is reason
+    assert (decision is Decision.DEFER) == (reason is Reason.FLEET_SATURATED)
+    assert (retry is not None) == (decision is Decision.DEFER)
+
+
+def test_nested_tier_shares_keep_the_top_of_the_fleet_for_higher_tiers() -> None:
+    # Standard + best-effort may hold 8,000 of 10,000; best-effort alone 5,000.
+    full_low = holdings(standard=3_500, besteffort=4_000)
+    assert run(need(Tier.STANDARD), h=full_low)[:2] == (Decision.DEFER, Reason.TIER_CAPACITY)
+    assert run(need(Tier.GUARANTEED), h=full_low)[:2] == (Decision.ADMIT, Reason.ADMITTED)
+    be_full = holdings(besteffort=4_500)
+    assert run(need(Tier.BESTEFFORT), h=be_full)[:2] == (Decision.DEFER, Reason.TIER_CAPACITY)
+    assert run(need(Tier.STANDARD), h=be_full)[:2] == (Decision.ADMIT, Reason.ADMITTED)
+
+
+def test_a_full_fleet_defers_guaranteed_with_fleet_saturated() -> None:
+    full = holdings(guaranteed=9_500)
+    assert run(need(Tier.GUARANTEED), h=full)[:2] == (Decision.DEFER, Reason.FLEET_SATURATED)
+
+
+def test_retry_after_follows_the_release_rate_with_jitter_and_bounds() -> None:
+    full = holdings(guaranteed=9_500, release_rate=100.0)  # shortfall 500 tokens: ~5 s
+    assert run(need(Tier.GUARANTEED), h=full, jitter=0.0)[2] == 4  # 5 x 0.8
+    assert run(need(Tier.GUARANTEED), h=full, jitter=0.999)[2] == 6  # 5 x 1.2
+    crawling = replace(full, released_tokens_per_s=0.5)
+    assert run(need(Tier.GUARANTEED), h=crawling)[2] == 60
+    racing = replace(full, released_tokens_per_s=1e9)
+    assert run(need(Tier.GUARANTEED), h=racing)[2] == 1
+
+
+def test_overcommit_scales_capacity() -> None:
+    wide = replace(POLICY, kv_overcommit=4.0)
+    assert run(need(Tier.BESTEFFORT, parallel=21), policy=wide)[1] is Reason.ADMITTED
+
+
+def test_fleet_load_is_kv_usage_or_backlog_and_unknown_without_fresh_workers() -> None:
+    assert fleet_load(fleet(worker(usage=0.4)), MAX_AGE_S) == pytest.approx(0.4)
+    # 16 slots: 48 calls pending is 1.5 batches of 2.
+    assert fleet_load(fleet(worker(usage=0.4), pending=48), MAX_AGE_S) == pytest.approx(1.5)
+    assert fleet_load(fleet(worker(age_s=10)), MAX_AGE_S) is None
+
+
+def test_pressure_escalates_only_after_consecutive_readings() -> None:
+    tracker = PressureTracker(PressureBands(confirm_readings=3))
+    assert [tracker.observe(x) for x in (0.9, 0.9, 0.5, 0.9, 0.9)] == [Pressure.NORMAL] * 5
+    assert tracker.observe(0.9) is Pressure.ELEVATED
+    for _ in range(2):
+        assert tracker.observe(1.2) is Pressure.ELEVATED
+    assert tracker.observe(1.2) is Pressure.SATURATED
+
+
+def test_pressure_recovers_only_below_the_lower_band_one_level_at_a_time() -> None:
+    tracker = PressureTracker(PressureBands(confirm_readings=2))
+    for x in (0.9, 0.9, 1.1, 1.1):
+        tracker.observe(x)
+    assert tracker.state is Pressure.SATURATED
+    # 0.9 is under the saturate band (1.0) but above its recovery band (0.85): no change.
+    assert [tracker.observe(0.9) for _ in range(5)] == [Pressure.SATURATED] * 5
+    assert [tracker.observe(0.75) for _ in range(2)] == [Pressure.SATURATED, Pressure.ELEVATED]
+    # 0.75 is above the elevated recovery band (0.7): stays elevated however long it lasts.
+    assert [tracker.observe(0.75) for _ in range(5)] == [Pressure.ELEVATED] * 5
+    assert [tracker.observe(0.3) for _ in range(2)] == [Pressure.ELEVATED, Pressure.NORMAL]
+
+
+def test_a_load_hovering_at_a_threshold_does_not_flap() -> None:
+    tracker = PressureTracker(PressureBands(confirm_readings=3))
+    states = [tracker.observe(x) for x in [0.84, 0.86] * 20]
+    assert set(states) == {Pressure.NORMAL}
+    for _ in range(3):
+        tracker.observe(0.9)
+    states = [tracker.observe(x) for x in [0.84, 0.86, 0.72, 0.8] * 10]
+    assert set(states) == {Pressure.ELEVATED}
+
+
+def test_a_missing_reading_keeps_the_state() -> None:
+    tracker = PressureTracker(PressureBands(confirm_readings=1))
+    tracker.observe(0.95)
+    assert tracker.observe(None) is Pressure.ELEVATED
+
+
+def test_every_refusal_reason_is_an_error_code_with_an_http_status() -> None:
+    from api.errors import STATUS_BY_CODE
+    from schemas.vocab import ErrorCode
+
+    refusals = [r for r in Reason if r not in (Reason.ADMITTED, Reason.ADMITTED_DEGRADED)]
+    assert {STATUS_BY_CODE[r.error_code] for r in refusals} == {429, 503}
+    assert set(STATUS_BY_CODE) == set(ErrorCode)
