@@ -1,0 +1,297 @@
+"""Admission state: the reservations every front-door replica must agree on.
+
+One interface, two implementations that pass the same contract tests
+(``tests/test_admission_state.py``): ``RedisAdmissionState`` (``broker.redis_state``, atomic
+Lua scripts, shared by replicas) and ``MemoryAdmissionState`` here (one replica).
+
+Invariants a reader must not break:
+- ``reserve`` re-checks every ceiling (nested tier groups, tenant quotas) in the same atomic
+  step that adds the reservation: the policy's answer came from a snapshot another replica may
+  have changed since.
+- A session's lease expires at the earlier of its deadline and ``idle_timeout`` after its last
+  call ended (never while one of its calls is in flight, up to that call's own deadline). Any
+  replica's next operation sweeps expired leases, so a reservation is released even when the
+  replica that made it has died.
+- A released session keeps its record for ``retention_ms`` so that a late call gets 409/410,
+  not 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from broker.admission import Holdings
+from schemas.vocab import TIERS_BY_PRIORITY, Reason, SessionState, Tier
+
+RELEASE_BUCKET_MS = 10_000
+RELEASE_WINDOW_BUCKETS = 6
+DEFAULT_RETENTION_MS = 3_600_000
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRecord:
+    id: str
+    tenant: str
+    tier: Tier
+    state: SessionState
+    max_parallel: int
+    expected_calls: int
+    est_prompt_tokens: int
+    est_output_tokens: int
+    reserved_tokens: int
+    created_ms: int
+    deadline_ms: int
+    idle_timeout_ms: int
+    expires_ms: int
+    ended_ms: int | None = None
+    calls_started: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    max_sessions: int
+    max_parallel_calls: int
+    tokens_per_minute: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveRequest:
+    record: SessionRecord
+    tier_limits: tuple[int, ...]
+    """Token ceiling of each nested tier group, highest tier first."""
+    tenant_limits: TenantLimits
+    tokens_charged: int
+    """Charged to the tenant's tokens-per-minute window."""
+    idempotency_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveOutcome:
+    reason: Reason
+    record: SessionRecord | None = None
+    existing: bool = False
+    """An earlier create with the same idempotency key: ``record`` is that session."""
+    shortfall_tokens: int = 0
+
+    @property
+    def admitted(self) -> bool:
+        return self.record is not None
+
+
+class SlotStatus(enum.StrEnum):
+    ACQUIRED = "acquired"
+    BUSY = "busy"
+    """The session already runs ``max_parallel`` calls."""
+    CLOSED = "closed"
+    EXPIRED = "expired"
+    NOT_FOUND = "not_found"
+
+
+class AdmissionState(Protocol):
+    async def holdings(self, tenant: str, now_ms: int) -> Holdings: ...
+
+    async def reserve(self, request: ReserveRequest, now_ms: int) -> ReserveOutcome: ...
+
+    async def get(self, session_id: str, now_ms: int) -> SessionRecord | None: ...
+
+    async def release(
+        self, session_id: str, state: SessionState, now_ms: int
+    ) -> SessionRecord | None:
+        """End the session (``closed`` or ``expired``) and free its reservation at once.
+        Returns the record as it now stands; ``None`` for an unknown session."""
+        ...
+
+    async def acquire_call(
+        self, session_id: str, call_id: str, call_deadline_ms: int, now_ms: int
+    ) -> tuple[SlotStatus, SessionRecord | None]: ...
+
+    async def release_call(self, session_id: str, call_id: str, now_ms: int) -> None: ...
+
+    async def sweep(self, now_ms: int) -> int:
+        """Release every lease past its expiry; returns how many."""
+        ...
+
+    async def reserved_tokens(self) -> int:
+        """Tokens reserved fleet-wide right now."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def minute_window(now_ms: int) -> tuple[int, float]:
+    """The tokens-per-minute window index and the seconds left in it."""
+    return now_ms // 60_000, (60_000 - now_ms % 60_000) / 1000
+
+
+class MemoryAdmissionState:
+    """The in-process twin: correct for one front-door replica (``make run``)."""
+
+    def __init__(self, retention_ms: int = DEFAULT_RETENTION_MS) -> None:
+        self.retention_ms = retention_ms
+        self._records: dict[str, SessionRecord] = {}
+        self._leases: set[str] = set()
+        self._slots: dict[str, dict[str, int]] = defaultdict(dict)
+        self._by_tier: dict[Tier, int] = defaultdict(int)
+        self._tenant_sessions: dict[str, int] = defaultdict(int)
+        self._tenant_parallel: dict[str, int] = defaultdict(int)
+        self._tpm: dict[tuple[str, int], int] = defaultdict(int)
+        self._released: dict[int, int] = defaultdict(int)
+        self._idempotency: dict[tuple[str, str], tuple[str, int]] = {}
+        self._lock = asyncio.Lock()
+
+    def holds(self, session_id: str) -> bool:
+        return session_id in self._records
+
+    async def holdings(self, tenant: str, now_ms: int) -> Holdings:
+        async with self._lock:
+            self._sweep(now_ms)
+            window, left_s = minute_window(now_ms)
+            bucket = now_ms // RELEASE_BUCKET_MS
+            released = sum(self._released.get(bucket - i, 0) for i in range(RELEASE_WINDOW_BUCKETS))
+            return Holdings(
+                reserved_by_tier=dict(self._by_tier),
+                tenant_sessions=self._tenant_sessions[tenant],
+                tenant_parallel=self._tenant_parallel[tenant],
+                tenant_tokens_this_minute=self._tpm.get((tenant, window), 0),
+                released_tokens_per_s=released / (RELEASE_BUCKET_MS * RELEASE_WINDOW_BUCKETS / 1e3),
+                seconds_to_next_minute=left_s,
+            )
+
+    async def reserve(self, request: ReserveRequest, now_ms: int) -> ReserveOutcome:
+        async with self._lock:
+            self._sweep(now_ms)
+            record = request.record
+            if request.idempotency_key is not None:
+                known = self._idempotency.get((record.tenant, request.idempotency_key))
+                if known is not None and known[1] > now_ms and known[0] in self._records:
+                    return ReserveOutcome(Reason.ADMITTED, self._records[known[0]], existing=True)
+            index = TIERS_BY_PRIORITY.index(record.tier)
+            held = [self._by_tier[t] for t in TIERS_BY_PRIORITY]
+            need = record.reserved_tokens
+            for i in range(index, -1, -1):
+                group = sum(held[i:]) + need
+                if group > request.tier_limits[i]:
+                    reason = Reason.FLEET_SATURATED if i == 0 else Reason.TIER_CAPACITY
+                    return ReserveOutcome(reason, shortfall_tokens=group - request.tier_limits[i])
+            limits = request.tenant_limits
+            window, _ = minute_window(now_ms)
+            if (
+                self._tenant_sessions[record.tenant] + 1 > limits.max_sessions
+                or self._tenant_parallel[record.tenant] + record.max_parallel
+                > limits.max_parallel_calls
+                or self._tpm[(record.tenant, window)] + request.tokens_charged
+                > limits.tokens_per_minute
+            ):
+                return ReserveOutcome(Reason.TENANT_QUOTA)
+            self._by_tier[record.tier] += need
+            self._tenant_sessions[record.tenant] += 1
+            self._tenant_parallel[record.tenant] += record.max_parallel
+            self._tpm[(record.tenant, window)] += request.tokens_charged
+            self._records[record.id] = record
+            self._leases.add(record.id)
+            if request.idempotency_key is not None:
+                expires = now_ms + 24 * 3_600_000
+                self._idempotency[(record.tenant, request.idempotency_key)] = (record.id, expires)
+            return ReserveOutcome(Reason.ADMITTED, record)
+
+    async def get(self, session_id: str, now_ms: int) -> SessionRecord | None:
+        async with self._lock:
+            self._sweep(now_ms)
+            return self._records.get(session_id)
+
+    async def release(
+        self, session_id: str, state: SessionState, now_ms: int
+    ) -> SessionRecord | None:
+        async with self._lock:
+            self._sweep(now_ms)
+            self._end(session_id, state, now_ms)
+            return self._records.get(session_id)
+
+    async def acquire_call(
+        self, session_id: str, call_id: str, call_deadline_ms: int, now_ms: int
+    ) -> tuple[SlotStatus, SessionRecord | None]:
+        async with self._lock:
+            self._sweep(now_ms)
+            record = self._records.get(session_id)
+            if record is None:
+                return SlotStatus.NOT_FOUND, None
+            if record.state is not SessionState.ACTIVE:
+                status = SlotStatus(record.state.value)
+                return status, record
+            slots = self._slots[session_id]
+            for other, until in list(slots.items()):
+                if until <= now_ms:
+                    del slots[other]
+            if len(slots) >= record.max_parallel:
+                return SlotStatus.BUSY, record
+            slots[call_id] = call_deadline_ms
+            expires = min(record.deadline_ms, max(record.expires_ms, call_deadline_ms))
+            record = replace(record, expires_ms=expires, calls_started=record.calls_started + 1)
+            self._records[session_id] = record
+            return SlotStatus.ACQUIRED, record
+
+    async def release_call(self, session_id: str, call_id: str, now_ms: int) -> None:
+        async with self._lock:
+            slots = self._slots.get(session_id)
+            if slots is not None:
+                slots.pop(call_id, None)
+            record = self._records.get(session_id)
+            if record is None or session_id not in self._leases:
+                return
+            busy_until = max(slots.values(), default=0) if slots else 0
+            idle_from = max(now_ms + record.idle_timeout_ms, busy_until)
+            self._records[session_id] = replace(
+                record, expires_ms=min(record.deadline_ms, idle_from)
+            )
+
+    async def sweep(self, now_ms: int) -> int:
+        async with self._lock:
+            return self._sweep(now_ms)
+
+    async def reserved_tokens(self) -> int:
+        return sum(self._by_tier.values())
+
+    async def close(self) -> None:
+        return None
+
+    def _sweep(self, now_ms: int) -> int:
+        expired = [i for i in self._leases if self._records[i].expires_ms <= now_ms]
+        for session_id in expired:
+            self._end(session_id, SessionState.EXPIRED, now_ms)
+        for session_id in [
+            i
+            for i, r in self._records.items()
+            if r.ended_ms is not None and r.ended_ms + self.retention_ms <= now_ms
+        ]:
+            del self._records[session_id]
+            self._slots.pop(session_id, None)
+        oldest_bucket = now_ms // RELEASE_BUCKET_MS - RELEASE_WINDOW_BUCKETS
+        for bucket in [b for b in self._released if b < oldest_bucket]:
+            del self._released[bucket]
+        window, _ = minute_window(now_ms)
+        for old in [k for k in self._tpm if k[1] < window]:
+            del self._tpm[old]
+        for used in [k for k, v in self._idempotency.items() if v[1] <= now_ms]:
+            del self._idempotency[used]
+        return len(expired)
+
+    def _end(self, session_id: str, state: SessionState, now_ms: int) -> None:
+        if session_id not in self._leases:
+            return
+        self._leases.discard(session_id)
+        record = self._records[session_id]
+        self._by_tier[record.tier] -= record.reserved_tokens
+        self._tenant_sessions[record.tenant] -= 1
+        self._tenant_parallel[record.tenant] -= record.max_parallel
+        self._released[now_ms // RELEASE_BUCKET_MS] += record.reserved_tokens
+        self._records[session_id] = replace(record, state=state, ended_ms=now_ms)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
