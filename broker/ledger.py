@@ -1,0 +1,175 @@
+"""The ledger: every admission decision, with the signals it saw, in SQL (SQLModel).
+
+SQLite file by default, PostgreSQL with ``KVGATE_DATABASE_URL``; the schema is owned by the
+Alembic migrations in ``broker/migrations`` (the front door upgrades to head at start-up).
+
+Writes never sit on the request path: ``record`` puts the entry on a bounded queue and returns;
+a background task writes batches from a worker thread. When the queue is full (the database is
+slow or down) the entry is dropped and counted (``dropped``, exported as a metric), because a
+stalled audit log must not stall admission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import JSON, BigInteger, Column, Integer, create_engine, text
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.pool import NullPool
+from sqlmodel import Field, Session, SQLModel, select
+
+log = logging.getLogger(__name__)
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+_MIGRATION_LOCK = 0x6B7667617465  # "kvgate"
+
+
+class AdmissionRecord(SQLModel, table=True):
+    __tablename__ = "admission_decisions"
+
+    id: int | None = Field(
+        default=None,
+        sa_column=Column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True),
+    )
+    decided_at: datetime = Field(index=True)
+    replica: str = Field(max_length=64)
+    tenant: str = Field(max_length=64)
+    tier: str = Field(max_length=16)
+    scope: str = Field(max_length=16)
+    """``session`` (POST /v1/sessions) or ``call`` (a call with no session)."""
+    session_id: str | None = Field(default=None, max_length=64)
+    decision: str = Field(max_length=16)
+    reason: str = Field(max_length=32)
+    retry_after_s: int | None = None
+    latency_us: int
+    signals: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+
+
+metadata = SQLModel.metadata
+
+
+def engine_url(url: str) -> str:
+    """Accept plain ``postgresql://`` URLs, using the psycopg 3 driver kvgate installs."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed.render_as_string(hide_password=False)
+
+
+def make_engine(url: str) -> Engine:
+    url = engine_url(url)
+    parsed = make_url(url)
+    if parsed.drivername.startswith("sqlite") and parsed.database:
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    return create_engine(url, pool_pre_ping=True)
+
+
+def migrate(url: str) -> None:
+    """Upgrade the database at ``url`` to the newest schema (idempotent)."""
+    url = engine_url(url)
+    parsed = make_url(url)
+    if parsed.drivername.startswith("sqlite") and parsed.database:
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                # Replicas starting together: one migrates, the others wait, then find the
+                # schema at head. The lock ends with the transaction.
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
+            config.attributes["connection"] = conn
+            command.upgrade(config, "head")
+    finally:
+        engine.dispose()
+
+
+class Ledger:
+    def __init__(self, url: str, *, max_queue: int = 10_000, batch_size: int = 500) -> None:
+        self.url = url
+        self._queue: asyncio.Queue[AdmissionRecord] = asyncio.Queue(max_queue)
+        self._batch_size = batch_size
+        self._engine: Engine | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.dropped = 0
+        self.written = 0
+
+    async def start(self) -> None:
+        await asyncio.to_thread(migrate, self.url)
+        self._engine = make_engine(self.url)
+        self._task = asyncio.create_task(self._run())
+
+    def record(self, entry: AdmissionRecord) -> None:
+        try:
+            self._queue.put_nowait(entry)
+        except asyncio.QueueFull:
+            self.dropped += 1
+
+    async def _run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self._batch_size and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            await self._write(batch)
+
+    async def _write(self, batch: list[AdmissionRecord]) -> None:
+        try:
+            await asyncio.to_thread(self._insert, batch)
+            self.written += len(batch)
+        except SQLAlchemyError:
+            log.exception("ledger write of %d decisions failed; they are dropped", len(batch))
+            self.dropped += len(batch)
+            await asyncio.sleep(1.0)  # do not spin against a database that is down
+        finally:
+            for _ in batch:
+                self._queue.task_done()
+
+    def _insert(self, batch: list[AdmissionRecord]) -> None:
+        assert self._engine is not None
+        with Session(self._engine) as session:
+            session.add_all(batch)
+            session.commit()
+
+    async def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until everything queued so far is written (or dropped)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._queue.join(), timeout_s)
+
+    async def stop(self) -> None:
+        await self.flush()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        remaining: list[AdmissionRecord] = []
+        while not self._queue.empty():
+            remaining.append(self._queue.get_nowait())
+        if remaining:
+            await self._write(remaining)
+        if self._engine is not None:
+            self._engine.dispose()
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def read(self, limit: int = 1000) -> list[AdmissionRecord]:
+        """The newest decisions (for tests and the admin view); blocking."""
+        assert self._engine is not None
+        with Session(self._engine) as session:
+            query = select(AdmissionRecord).order_by(AdmissionRecord.id.desc()).limit(limit)  # type: ignore[union-attr]
+            return list(session.exec(query))
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
