@@ -9,22 +9,29 @@ from contextlib import asynccontextmanager
 
 import nats
 from fastapi import FastAPI
+from sqlalchemy.engine import make_url
 
+from api.admission import Admitter
 from api.errors import install_error_handlers
 from api.metrics import FrontDoorMetrics
 from api.replies import ReplyRouter
-from api.routes import admin, chat, health, models
+from api.routes import admin, chat, health, models, sessions
 from api.state import FrontDoor
+from broker.admission_state import AdmissionState, MemoryAdmissionState
 from broker.fleet import FleetView, FleetWatcher
+from broker.ledger import Ledger, engine_url
 from broker.publisher import CallPublisher
+from broker.redis_state import RedisAdmissionState
 from broker.settings import ApiSettings
 from broker.streams import provision_calls, workers_bucket
+from broker.tenants import load_tenancy
 
 log = logging.getLogger(__name__)
 
 
 def create_app(settings: ApiSettings | None = None) -> FastAPI:
     settings = settings or ApiSettings()
+    tenancy = load_tenancy(settings.tenants_file, settings.dev_tenant_tier)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -40,6 +47,20 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             await replies.start()
             metrics = FrontDoorMetrics(fleet)
             metrics.start(js)
+            ledger = Ledger(settings.database_url, max_queue=settings.ledger_queue)
+            await ledger.start()
+            metrics.watch_ledger(ledger)
+            state = admission_state(settings)
+            admitter = Admitter(
+                settings,
+                tenancy,
+                state,
+                fleet,
+                metrics,
+                ledger,
+                shared=settings.redis_url is not None,
+            )
+            admitter.start(min(0.5, settings.heartbeat_max_age_s / 4))
             app.state.front_door = FrontDoor(
                 settings=settings,
                 nc=nc,
@@ -49,10 +70,19 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 fleet=fleet,
                 fleet_watcher=watcher,
                 metrics=metrics,
+                admitter=admitter,
                 started_s=int(time.time()),
             )
-            log.info("kvgate api connected to %s", settings.nats_url)
+            log.info(
+                "kvgate api connected to %s; admission state %s; ledger %s",
+                settings.nats_url,
+                "in Redis" if settings.redis_url else "in-process",
+                make_url(engine_url(settings.database_url)).render_as_string(),
+            )
             yield
+            await admitter.stop()
+            await state.close()
+            await ledger.stop()
             await metrics.stop()
             await replies.stop()
             await watcher.stop()
@@ -63,7 +93,14 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.state.settings = settings
     install_error_handlers(app)
     app.include_router(chat.router)
+    app.include_router(sessions.router)
     app.include_router(models.router)
     app.include_router(health.router)
     app.include_router(admin.router)
     return app
+
+
+def admission_state(settings: ApiSettings) -> AdmissionState:
+    if settings.redis_url is None:
+        return MemoryAdmissionState()
+    return RedisAdmissionState(settings.redis_url, prefix=settings.redis_prefix)

@@ -24,6 +24,7 @@ from schemas.wire import CallEnvelope, ChatMessage, SamplingParams
 
 TIMEOUT_HEADER = "X-Kvgate-Timeout"
 TIER_HEADER = "X-Kvgate-Tier"
+SESSION_HEADER = "X-Kvgate-Session"
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -45,7 +46,8 @@ def _too_large(limit: int) -> InvalidRequest:
     return InvalidRequest(ErrorCode.BODY_TOO_LARGE, f"request body exceeds {limit} bytes")
 
 
-def parse_chat_request(body: bytes, settings: ApiSettings) -> ChatCompletionRequest:
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or ``invalid_json`` / ``invalid_request``."""
     try:
         raw: Any = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -54,6 +56,11 @@ def parse_chat_request(body: bytes, settings: ApiSettings) -> ChatCompletionRequ
         ) from None
     if not isinstance(raw, dict):
         raise InvalidRequest(ErrorCode.INVALID_REQUEST, "request body must be a JSON object")
+    return raw
+
+
+def parse_chat_request(body: bytes, settings: ApiSettings) -> ChatCompletionRequest:
+    raw = parse_json_object(body)
     if "messages" not in raw:
         raise InvalidRequest(ErrorCode.MISSING_MESSAGES, "'messages' is required", param="messages")
     try:
@@ -117,11 +124,13 @@ def call_timeout_s(request: Request, settings: ApiSettings) -> float:
     return value
 
 
-def call_tier(request: Request, settings: ApiSettings) -> Tier:
-    """The tier named by the caller, or the default. Session admission will bound it by the
-    tenant's highest tier; until then any caller may name any tier."""
+def call_tier(request: Request, settings: ApiSettings, ceiling: Tier | None = None) -> Tier:
+    """The tier named by the caller; else the default, lowered to ``ceiling`` (the tenant's
+    highest tier) when the default is above it. A named tier is checked by the caller."""
     raw = request.headers.get(TIER_HEADER)
     if raw is None:
+        if ceiling is not None and settings.default_tier.priority < ceiling.priority:
+            return ceiling
         return settings.default_tier
     try:
         return Tier(raw.strip().lower())
@@ -144,7 +153,6 @@ def to_envelope(
     call_id = uuid.uuid4().hex
     return CallEnvelope(
         call_id=call_id,
-        # Until session admission lands, a call with no session is a session of one call.
         session_id=session_id or call_id,
         tier=tier,
         model=chat.model,
@@ -162,3 +170,11 @@ def to_envelope(
         deadline_ms=now_ms + int(timeout_s * 1000),
         created_ms=now_ms,
     )
+
+
+def estimate_prompt_tokens(call: CallEnvelope) -> int:
+    """A front-door estimate of the prompt's tokens (the front door holds no tokenizer):
+    about three characters a token, plus the chat template's few tokens per message. The
+    worker counts exactly; this only sizes the reservation."""
+    chars = sum(len(m.content) for m in call.messages)
+    return max(1, math.ceil(chars / 3) + 4 * len(call.messages) + 8)

@@ -7,7 +7,10 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from api.state import FrontDoor
+from broker.errors import KvgateError
 from broker.settings import ApiSettings
+from broker.tenants import Tenant
+from schemas.vocab import ErrorCode
 
 
 def get_front_door(request: Request) -> FrontDoor:
@@ -22,3 +25,23 @@ def get_settings(request: Request) -> ApiSettings:
 
 FrontDoorDep = Annotated[FrontDoor, Depends(get_front_door)]
 SettingsDep = Annotated[ApiSettings, Depends(get_settings)]
+
+
+def get_tenant(request: Request) -> Tenant:
+    """The tenant named by ``Authorization: Bearer <key>``; 401 for a missing or unknown key
+    (in development mode, with no tenants file, every caller is the open tenant)."""
+    door = get_front_door(request)
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    tenant = door.admitter.tenancy.authenticate(key.strip() if scheme.lower() == "bearer" else None)
+    if tenant is None:
+        raise KvgateError(
+            ErrorCode.UNAUTHORIZED,
+            "missing or unknown API key: send 'Authorization: Bearer <key>'"
+            if header
+            else "missing API key: send 'Authorization: Bearer <key>'",
+        )
+    return tenant
+
+
+TenantDep = Annotated[Tenant, Depends(get_tenant)]

@@ -14,12 +14,13 @@ import time
 from collections.abc import Iterator
 
 from nats.js import JetStreamContext
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from broker.fleet import FleetView
 from broker.lag import TierLag, fleet_lag
+from broker.ledger import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,22 @@ class _FleetCollector(Collector):
         yield from (pending, ack_pending, oldest)
 
 
+class _LedgerCollector(Collector):
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        dropped = CounterMetricFamily(
+            "kvgate_ledger_dropped", "Decisions dropped from the ledger (queue full or DB error)"
+        )
+        dropped.add_metric([], self._ledger.dropped)
+        written = CounterMetricFamily("kvgate_ledger_written", "Decisions written to the ledger")
+        written.add_metric([], self._ledger.written)
+        queued = GaugeMetricFamily("kvgate_ledger_queued", "Decisions waiting to be written")
+        queued.add_metric([], self._ledger.queued)
+        yield from (dropped, written, queued)
+
+
 class FrontDoorMetrics:
     def __init__(self, fleet: FleetView) -> None:
         self.registry = CollectorRegistry()
@@ -106,9 +123,31 @@ class FrontDoorMetrics:
             ["tier"],
             registry=self.registry,
         )
+        self.admissions = Counter(
+            "kvgate_admission_decisions",
+            "Admission decisions, by tier, decision and reason",
+            ["tier", "decision", "reason"],
+            registry=self.registry,
+        )
+        self.admission_latency = Histogram(
+            "kvgate_admission_latency_seconds",
+            "Time to decide (signals, policy, reservation), by scope (session or call)",
+            ["scope"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+            registry=self.registry,
+        )
+        self.pressure = Gauge(
+            "kvgate_admission_pressure",
+            "Admission pressure state: 0 normal, 1 elevated, 2 saturated",
+            registry=self.registry,
+        )
         self.lag: list[TierLag] = []
+        self.lag_read_s = 0.0
         self.registry.register(_FleetCollector(fleet, self))
         self._task: asyncio.Task[None] | None = None
+
+    def watch_ledger(self, ledger: Ledger) -> None:
+        self.registry.register(_LedgerCollector(ledger))
 
     def start(self, js: JetStreamContext, interval_s: float = 2.0) -> None:
         self._task = asyncio.create_task(self._refresh(js, interval_s))
@@ -123,6 +162,7 @@ class FrontDoorMetrics:
         while True:
             try:
                 self.lag = await fleet_lag(js)
+                self.lag_read_s = time.time()
             except Exception as exc:  # stale lag is better than no metrics at all
                 log.warning("could not read consumer lag: %s", exc)
             await asyncio.sleep(interval_s)

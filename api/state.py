@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from api.admission import Admitter
 from api.metrics import FrontDoorMetrics
 from api.replies import ReplyRouter
 from broker.fleet import FleetView, FleetWatcher
@@ -24,4 +25,5 @@ class FrontDoor:
     fleet: FleetView
     fleet_watcher: FleetWatcher
     metrics: FrontDoorMetrics
+    admitter: Admitter
     started_s: int

@@ -24,16 +24,34 @@ class FleetView:
     def __init__(self, max_age_s: float) -> None:
         self.max_age_ms = int(max_age_s * 1000)
         self._workers: dict[str, WorkerHeartbeat] = {}
+        self._tokens_per_s: dict[str, float] = {}
 
     def update(self, key: str, value: bytes | None) -> None:
         """Apply one bucket entry; ``None`` (a delete) removes the worker."""
         if value is None:
             self._workers.pop(key, None)
+            self._tokens_per_s.pop(key, None)
             return
         try:
-            self._workers[key] = decode_heartbeat(value)
+            heartbeat = decode_heartbeat(value)
         except (msgspec.ValidationError, msgspec.DecodeError):
             log.warning("ignoring malformed heartbeat under key %r", key)
+            return
+        previous = self._workers.get(key)
+        if previous is not None and heartbeat.sent_ms > previous.sent_ms:
+            produced = heartbeat.generated_tokens - previous.generated_tokens
+            if produced >= 0:  # a restarted worker starts its counter again
+                seconds = (heartbeat.sent_ms - previous.sent_ms) / 1000
+                self._tokens_per_s[key] = produced / seconds
+        self._workers[key] = heartbeat
+
+    def tokens_per_s(self, worker_id: str) -> float | None:
+        """Output tokens per second between the worker's last two heartbeats."""
+        return self._tokens_per_s.get(worker_id)
+
+    def all(self) -> list[WorkerHeartbeat]:
+        """Every worker with an entry, stale ones included (the policy sees their age)."""
+        return list(self._workers.values())
 
     def live(self, now_ms: int) -> list[WorkerHeartbeat]:
         """Workers whose last heartbeat is fresh, draining ones included."""

@@ -57,6 +57,26 @@ class ApiSettings(BaseSettings):
     heartbeat_max_age_s: float = Field(default=6.0, gt=0)
     # Bearer token for /v1/admin/*; not a tenant key. Unset: admin endpoints answer 401.
     admin_token: str | None = None
+    # Admission. No tenants file: one open development tenant whose highest tier is
+    # `dev_tenant_tier`. No Redis URL: in-process admission state (one replica only).
+    tenants_file: Path | None = None
+    dev_tenant_tier: Tier = Tier.STANDARD
+    redis_url: str | None = None
+    redis_prefix: str = "{kvgate}"
+    database_url: str = "sqlite:///.kvgate/ledger.db"
+    ledger_queue: int = Field(default=10_000, ge=1)
+    replica_id: str | None = None
+    # Reservations may add up to this many times the fleet's KV capacity: above 1, admitted
+    # sessions accept waiting in JetStream for their turn at the cache.
+    admission_kv_overcommit: float = Field(default=1.0, gt=0, le=100)
+    # Redis down: these tiers are admitted against a local budget of `degraded_share` of the
+    # fleet (set it to 1/replicas so replicas together cannot over-admit); others are refused.
+    degraded_tiers: list[Tier] = Field(default_factory=lambda: [Tier.GUARANTEED])
+    degraded_share: float = Field(default=0.5, gt=0, le=1)
+    session_max_parallel: int = Field(default=256, ge=1)
+    session_default_idle_timeout_s: float = Field(default=60.0, gt=0)
+    session_default_prompt_tokens: int = Field(default=512, ge=1)
+    session_default_output_tokens: int = Field(default=256, ge=1)
     stream: StreamSettings = Field(default_factory=StreamSettings)
 
 

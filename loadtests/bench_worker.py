@@ -105,6 +105,12 @@ class KvgateStack:
         self.nats = EmbeddedNats(root / "nats").start()
         env = {**os.environ, **ENGINE_ENV, "KVGATE_NATS_URL": self.nats.url}
         env["KVGATE_WORKER_NUM_GPU_BLOCKS_OVERRIDE"] = blocks
+        # This benchmark measures the worker's pull gate under overload: admission lets the
+        # whole burst in (16 caches' worth of one-call sessions) and the guaranteed tier is
+        # open to the development tenant.
+        env["KVGATE_ADMISSION_KV_OVERCOMMIT"] = "16"
+        env["KVGATE_DEV_TENANT_TIER"] = "guaranteed"
+        env["KVGATE_DATABASE_URL"] = f"sqlite:///{root}/ledger.db"
         self.port = free_port()
         cli = [sys.executable, "-m", "broker.cli"]
         log = (root / "worker.log").open("wb")

@@ -37,6 +37,16 @@ def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+# The pull-policy tests overload the worker on purpose (40 calls for 3 KV caches' worth) and
+# name the guaranteed tier without a key: admission here admits 16 caches' worth of one-call
+# sessions, so that what they test is the worker's pull gate. Admission itself is tested with
+# front doors configured as in production (tests/test_sessions*.py).
+PULL_TEST_ADMISSION = {
+    "KVGATE_DEV_TENANT_TIER": "guaranteed",
+    "KVGATE_ADMISSION_KV_OVERCOMMIT": "16",
+}
+
+
 @dataclass
 class Stack:
     nats: EmbeddedNats
@@ -53,7 +63,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, dev_model: Path) -> Iterator
     root = tmp_path_factory.mktemp("stack")
     server = EmbeddedNats(root / "nats", log_file=root / "nats.log").start()
     worker = start_worker(server.url, dev_model, root, "w1")
-    api, base = start_api(server.url, root)
+    api, base = start_api(server.url, root, **PULL_TEST_ADMISSION)
     try:
         wait_http(base + "/readyz", worker, timeout=240)
         yield Stack(server, worker, api, base, root)

@@ -74,7 +74,12 @@ def start_api(nats_url: str, log_dir: Path, **env: str) -> tuple[Proc, str]:
     proc = Proc(
         f"api-{port}",
         [*KVGATE, "api", "--port", str(port)],
-        {"KVGATE_NATS_URL": nats_url, **env},
+        {
+            "KVGATE_NATS_URL": nats_url,
+            # A ledger of its own, so that front doors of different tests never share a file.
+            "KVGATE_DATABASE_URL": f"sqlite:///{log_dir}/ledger-{port}.db",
+            **env,
+        },
         log_dir,
     )
     base = f"http://127.0.0.1:{port}"

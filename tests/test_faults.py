@@ -75,10 +75,16 @@ def body(max_tokens: int, **extra: Any) -> dict[str, Any]:
 
 
 async def holders(fleet: FleetSampler, calls: int, timeout: float = 20) -> dict[str, int]:
-    """Workers running calls, once ``calls`` are running in all."""
+    """Workers running calls, once ``calls`` are running in all. A worker counts only while it
+    holds reservations of its own: an idle engine can go on reporting the running count of
+    its last scheduler step (vLLM reports stats only when it steps)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        running = {hb.worker_id: hb.num_running for hb in fleet.workers() if hb.num_running}
+        running = {
+            hb.worker_id: hb.num_running
+            for hb in fleet.workers()
+            if hb.num_running and hb.committed_tokens
+        }
         if sum(running.values()) >= calls:
             return running
         await asyncio.sleep(0.05)

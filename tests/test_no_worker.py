@@ -1,15 +1,20 @@
-"""The front door with no worker running: calls end with a timeout error at their deadline."""
+"""The front door with no worker running: calls are deferred at once (``no_workers``); with a
+worker that heartbeats but never pulls, calls end with a timeout error at their deadline."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import nats
 import pytest
 
 from broker.natsserver import EmbeddedNats
+from schemas.wire import WORKERS_BUCKET
+from tests.heartbeats import idle_heartbeat, put_heartbeat
 from tests.procs import start_api
 
 
@@ -26,7 +31,34 @@ BODY = {"model": "kvgate-dev", "messages": [{"role": "user", "content": "anyone?
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_call_times_out_at_its_deadline(lonely_api: str, stream: bool) -> None:
+async def test_with_no_worker_a_call_is_deferred_at_once(lonely_api: str, stream: bool) -> None:
+    async with httpx.AsyncClient(base_url=lonely_api, timeout=30) as client:
+        started = time.monotonic()
+        resp = await client.post("/v1/chat/completions", json={**BODY, "stream": stream})
+        elapsed = time.monotonic() - started
+    assert resp.status_code == 503
+    body = resp.json()
+    assert (body["error"]["code"], body["decision"]) == ("no_workers", "defer")
+    assert 1 <= body["retry_after"] == int(resp.headers["retry-after"]) <= 60
+    assert elapsed < 1.0, elapsed
+
+
+async def stuck_worker_heartbeat(nats_url: str) -> None:
+    """A heartbeat from a worker that will never pull (hung, or cut off from the stream)."""
+    nc = await nats.connect(nats_url)
+    try:
+        kv = await nc.jetstream().key_value(WORKERS_BUCKET)
+        await put_heartbeat(kv, idle_heartbeat("stuck", capacity=2048))
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_call_times_out_at_its_deadline(
+    lonely_api: str, nats_server: EmbeddedNats, stream: bool
+) -> None:
+    await stuck_worker_heartbeat(nats_server.url)
+    await asyncio.sleep(0.3)  # the front door's KV watch sees it
     async with httpx.AsyncClient(base_url=lonely_api, timeout=30) as client:
         started = time.monotonic()
         resp = await client.post(

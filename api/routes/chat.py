@@ -9,21 +9,29 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TypeVar
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from api.admission import session_need_for_call
 from api.calls import Restarted, failure_error, follow_call
 from api.chat_request import (
+    SESSION_HEADER,
+    TIER_HEADER,
     call_tier,
     call_timeout_s,
+    estimate_prompt_tokens,
     parse_chat_request,
     read_body,
     to_envelope,
 )
-from api.deps import FrontDoorDep
+from api.deps import FrontDoorDep, TenantDep
 from api.errors import error_body
 from api.replies import ReplyEvent
-from broker.errors import KvgateError
+from api.routes.sessions import check_tier
+from api.state import FrontDoor
+from broker.admission_state import SessionRecord
+from broker.errors import InvalidRequest, KvgateError
 from schemas.openai import (
     AssistantMessage,
     ChatCompletion,
@@ -42,6 +50,7 @@ router = APIRouter(tags=["chat"])
 T = TypeVar("T")
 
 CALL_ID_HEADER = "X-Kvgate-Call"
+SESSION_ID_HEADER = "X-Kvgate-Session"
 
 _BODY_SCHEMA = {
     "requestBody": {
@@ -53,18 +62,43 @@ _BODY_SCHEMA = {
 
 @router.post("/v1/chat/completions", openapi_extra=_BODY_SCHEMA, response_model=None)
 async def create_chat_completion(
-    request: Request, door: FrontDoorDep
+    request: Request, door: FrontDoorDep, tenant: TenantDep
 ) -> JSONResponse | StreamingResponse:
     settings = door.settings
     chat = parse_chat_request(await read_body(request, settings.max_body_bytes), settings)
-    call = to_envelope(
-        chat,
-        settings,
-        tier=call_tier(request, settings),
-        timeout_s=call_timeout_s(request, settings),
-    )
-    events = follow_call(door, call)
-    headers = {CALL_ID_HEADER: call.call_id}
+    timeout_s = call_timeout_s(request, settings)
+    session_id = request.headers.get(SESSION_HEADER)
+    if session_id is not None:
+        record = await door.admitter.get(tenant, session_id.strip())
+        named = request.headers.get(TIER_HEADER)
+        if named is not None and call_tier(request, settings) is not record.tier:
+            raise InvalidRequest(
+                ErrorCode.INVALID_TIER,
+                f"{TIER_HEADER} {named!r} differs from the session's tier {record.tier.value!r}",
+                param=TIER_HEADER,
+            )
+        left_s = record.deadline_ms / 1000 - time.time()
+        call = to_envelope(
+            chat,
+            settings,
+            tier=record.tier,
+            timeout_s=max(0.001, min(timeout_s, left_s)),
+            session_id=record.id,
+        )
+        one_call = False
+    else:
+        tier = call_tier(request, settings, ceiling=tenant.max_tier)
+        check_tier(tier, tenant)
+        call = to_envelope(chat, settings, tier=tier, timeout_s=timeout_s)
+        need = session_need_for_call(
+            tier, estimate_prompt_tokens(call), call.sampling.max_tokens, timeout_s
+        )
+        admitted = await door.admitter.admit(tenant, need, scope="call", idle_timeout_s=timeout_s)
+        record = admitted.record
+        call = msgspec.structs.replace(call, session_id=record.id)
+        one_call = True
+    events = _admitted_call(door, record, call, one_call)
+    headers = {CALL_ID_HEADER: call.call_id, SESSION_ID_HEADER: record.id}
     if not chat.stream:
         async with contextlib.aclosing(events):
             completion = await _unless_disconnected(request, _collect(call, events))
@@ -85,6 +119,22 @@ async def create_chat_completion(
         media_type="text/event-stream",
         headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+async def _admitted_call(
+    door: FrontDoor, record: SessionRecord, call: CallEnvelope, one_call: bool
+) -> AsyncGenerator[list[ReplyEvent] | Restarted, None]:
+    """The call's events, run inside one of its session's call slots; a one-call session
+    ends with its call."""
+    try:
+        async with door.admitter.call_slot(record, call.call_id, call.deadline_ms):
+            events = follow_call(door, call)
+            async with contextlib.aclosing(events):
+                async for item in events:
+                    yield item
+    finally:
+        if one_call:
+            await door.admitter.end_one_call_session(record)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

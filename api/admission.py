@@ -1,0 +1,416 @@
+"""The I/O shell around the admission policy: read the signals, decide, reserve, record.
+
+A decision reads the fleet view (kept current by a KV watch), the consumer lag (refreshed in
+the background), and the holdings from the admission state (one Redis round trip); it calls
+the pure ``broker.admission.decide``; an admit then reserves atomically in the state store,
+which may still refuse if another replica took the room first. Every decision, whichever way
+it went, goes to the ledger and the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from api.metrics import FrontDoorMetrics
+from broker.admission import (
+    AdmissionDecision,
+    AdmissionPolicy,
+    FleetSnapshot,
+    PressureTracker,
+    SessionNeed,
+    WorkerReading,
+    decide,
+    fleet_load,
+    retry_after_for_shortfall,
+)
+from broker.admission_state import (
+    AdmissionState,
+    MemoryAdmissionState,
+    ReserveRequest,
+    SessionRecord,
+    SlotStatus,
+    TenantLimits,
+)
+from broker.errors import AdmissionUnavailable, DeadlineExceeded, KvgateError, Refused
+from broker.fleet import FleetView
+from broker.ledger import AdmissionRecord, Ledger, utcnow
+from broker.settings import ApiSettings
+from broker.tenants import Tenancy, Tenant
+from schemas.vocab import Decision, ErrorCode, Reason, SessionState, Tier
+
+log = logging.getLogger(__name__)
+
+# How long a stored lag reading stays usable; older means "lag unknown", not "no lag".
+LAG_MAX_AGE_S = 10.0
+SLOT_POLL_S = 0.05
+
+_MESSAGES: dict[Reason, str] = {
+    Reason.TENANT_QUOTA: "the tenant is over its quota (sessions, parallel calls or tokens "
+    "per minute)",
+    Reason.TIER_CAPACITY: "the tier's share of the fleet is fully reserved",
+    Reason.FLEET_SATURATED: "the fleet is fully reserved or under pressure",
+    Reason.DEADLINE_INFEASIBLE: "the session cannot finish by its deadline even on an idle fleet",
+    Reason.EXCEEDS_CAPACITY: "the session needs more KV cache than its tier may ever hold on "
+    "this fleet",
+    Reason.NO_WORKERS: "no live worker (none, or none with a fresh heartbeat)",
+    Reason.DRAINING: "every live worker is draining",
+    Reason.ADMISSION_UNAVAILABLE: "the shared admission state (Redis) is unreachable",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    record: SessionRecord
+    existing: bool
+    degraded: bool
+
+
+class Admitter:
+    def __init__(
+        self,
+        settings: ApiSettings,
+        tenancy: Tenancy,
+        state: AdmissionState,
+        fleet: FleetView,
+        metrics: FrontDoorMetrics,
+        ledger: Ledger | None,
+        *,
+        shared: bool,
+    ) -> None:
+        self.settings = settings
+        self.tenancy = tenancy
+        self.state = state
+        self.shared = shared
+        # While Redis is unreachable, tiers in `degraded_tiers` are admitted against this
+        # replica's own budget; those sessions live here until they end.
+        self.fallback = MemoryAdmissionState() if shared else None
+        self.fleet = fleet
+        self.metrics = metrics
+        self.ledger = ledger
+        self.replica = settings.replica_id or uuid.uuid4().hex[:12]
+        self.policy = AdmissionPolicy(
+            tiers=tenancy.tiers, kv_overcommit=settings.admission_kv_overcommit
+        )
+        self.pressure = PressureTracker(self.policy.bands)
+        self._rng = random.Random()
+        self._slot_freed: dict[str, asyncio.Event] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    # -- background: pressure readings and lease expiry ---------------------------------
+
+    def start(self, interval_s: float = 0.5) -> None:
+        self._task = asyncio.create_task(self._tick(interval_s))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _tick(self, interval_s: float) -> None:
+        while True:
+            now_ms = int(time.time() * 1000)
+            self.pressure.observe(fleet_load(self.snapshot(now_ms), self.max_age_s))
+            self.metrics.pressure.set(int(self.pressure.state))
+            try:
+                await self.state.sweep(now_ms)
+                if self.fallback is not None:
+                    await self.fallback.sweep(now_ms)
+            except AdmissionUnavailable as exc:
+                log.warning("lease sweep skipped: %s", exc)
+            await asyncio.sleep(interval_s)
+
+    @property
+    def max_age_s(self) -> float:
+        return self.fleet.max_age_ms / 1000
+
+    def snapshot(self, now_ms: int) -> FleetSnapshot:
+        workers = tuple(
+            WorkerReading(
+                worker_id=hb.worker_id,
+                kv_usage=hb.kv_cache_usage,
+                kv_capacity_tokens=hb.kv_capacity_tokens,
+                running=hb.num_running,
+                waiting=hb.num_waiting,
+                max_num_seqs=hb.max_num_seqs,
+                tokens_per_s=self.fleet.tokens_per_s(hb.worker_id),
+                age_s=max(0.0, (now_ms - hb.sent_ms) / 1000),
+                draining=hb.draining,
+            )
+            for hb in self.fleet.all()
+        )
+        pending: dict[Tier, int] | None = None
+        if self.metrics.lag and now_ms / 1000 - self.metrics.lag_read_s <= LAG_MAX_AGE_S:
+            pending = {row.tier: row.pending for row in self.metrics.lag}
+        return FleetSnapshot(workers, pending)
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    async def admit(
+        self,
+        tenant: Tenant,
+        need: SessionNeed,
+        *,
+        scope: str,
+        idle_timeout_s: float,
+        metadata: dict[str, object] | None = None,
+        idempotency_key: str | None = None,
+    ) -> Admitted:
+        """Admit a session or raise ``Refused`` (or ``AdmissionUnavailable``)."""
+        started = time.perf_counter()
+        now_ms = int(time.time() * 1000)
+        snapshot = self.snapshot(now_ms)
+        try:
+            admitted, decision = await self._admit_on(
+                self.state,
+                tenant,
+                need,
+                snapshot,
+                now_ms,
+                1.0,
+                idle_timeout_s,
+                metadata,
+                idempotency_key,
+            )
+            degraded = False
+        except AdmissionUnavailable:
+            if self.fallback is None or need.tier not in self.settings.degraded_tiers:
+                decision = AdmissionDecision(
+                    Decision.DEFER,
+                    Reason.ADMISSION_UNAVAILABLE,
+                    5,
+                    need.reserve_tokens,
+                    (),
+                    {"state": "unreachable"},
+                )
+                admitted = None
+            else:
+                admitted, decision = await self._admit_on(
+                    self.fallback,
+                    tenant,
+                    need,
+                    snapshot,
+                    now_ms,
+                    self.settings.degraded_share,
+                    idle_timeout_s,
+                    metadata,
+                    idempotency_key,
+                )
+                if admitted is not None:
+                    decision = replace(decision, reason=Reason.ADMITTED_DEGRADED)
+            degraded = True
+        latency_s = time.perf_counter() - started
+        self._observe(tenant, need, decision, scope, admitted, latency_s)
+        if admitted is None:
+            raise Refused(
+                decision.reason.error_code,
+                _MESSAGES[decision.reason],
+                decision=decision.decision.value,
+                retry_after=decision.retry_after_s,
+            )
+        return Admitted(admitted[0], admitted[1], degraded)
+
+    async def _admit_on(
+        self,
+        state: AdmissionState,
+        tenant: Tenant,
+        need: SessionNeed,
+        snapshot: FleetSnapshot,
+        now_ms: int,
+        share: float,
+        idle_timeout_s: float,
+        metadata: dict[str, object] | None,
+        idempotency_key: str | None,
+    ) -> tuple[tuple[SessionRecord, bool] | None, AdmissionDecision]:
+        holdings = await state.holdings(tenant.id, now_ms)
+        policy = self.policy
+        if share < 1.0:
+            policy = replace(policy, kv_overcommit=policy.kv_overcommit * share)
+        jitter = self._rng.random()
+        decision = decide(
+            need,
+            tenant,
+            snapshot,
+            holdings,
+            self.pressure.state,
+            policy,
+            max_age_s=self.max_age_s,
+            jitter=jitter,
+        )
+        if not decision.admitted:
+            return None, decision
+        deadline_ms = now_ms + int(need.deadline_s * 1000)
+        idle_ms = int(idle_timeout_s * 1000)
+        record = SessionRecord(
+            id=f"sess_{uuid.uuid4().hex}",
+            tenant=tenant.id,
+            tier=need.tier,
+            state=SessionState.ACTIVE,
+            max_parallel=need.max_parallel,
+            expected_calls=need.expected_calls,
+            est_prompt_tokens=need.est_prompt_tokens,
+            est_output_tokens=need.est_output_tokens,
+            reserved_tokens=need.reserve_tokens,
+            created_ms=now_ms,
+            deadline_ms=deadline_ms,
+            idle_timeout_ms=idle_ms,
+            expires_ms=min(deadline_ms, now_ms + idle_ms),
+            metadata=dict(metadata or {}),
+        )
+        outcome = await state.reserve(
+            ReserveRequest(
+                record=record,
+                tier_limits=decision.tier_limits,
+                tenant_limits=TenantLimits(
+                    tenant.max_sessions, tenant.max_parallel_calls, tenant.tokens_per_minute
+                ),
+                tokens_charged=need.total_tokens,
+                idempotency_key=idempotency_key,
+            ),
+            now_ms,
+        )
+        if outcome.record is not None:
+            return (outcome.record, outcome.existing), decision
+        # Another replica took the room between our snapshot and our reservation.
+        kind = Decision.REJECT if outcome.reason is Reason.TENANT_QUOTA else Decision.DEFER
+        retry = retry_after_for_shortfall(
+            outcome.shortfall_tokens,
+            holdings.released_tokens_per_s,
+            policy.default_retry_after_s,
+            jitter,
+        )
+        signals = {**decision.signals, "store_refused": outcome.reason.value}
+        return None, replace(
+            decision, decision=kind, reason=outcome.reason, retry_after_s=retry, signals=signals
+        )
+
+    def _observe(
+        self,
+        tenant: Tenant,
+        need: SessionNeed,
+        decision: AdmissionDecision,
+        scope: str,
+        admitted: tuple[SessionRecord, bool] | None,
+        latency_s: float,
+    ) -> None:
+        tier = need.tier.value
+        self.metrics.admissions.labels(tier, decision.decision.value, decision.reason.value).inc()
+        self.metrics.admission_latency.labels(scope).observe(latency_s)
+        if self.ledger is None:
+            return
+        self.ledger.record(
+            AdmissionRecord(
+                decided_at=utcnow(),
+                replica=self.replica,
+                tenant=tenant.id,
+                tier=tier,
+                scope=scope,
+                session_id=admitted[0].id if admitted else None,
+                decision=decision.decision.value,
+                reason=decision.reason.value,
+                retry_after_s=decision.retry_after_s,
+                latency_us=int(latency_s * 1e6),
+                signals={
+                    **decision.signals,
+                    "max_parallel": need.max_parallel,
+                    "expected_calls": need.expected_calls,
+                    "deadline_s": need.deadline_s,
+                },
+            )
+        )
+
+    def store_for(self, session_id: str) -> AdmissionState:
+        """The store holding ``session_id``: the fallback only for sessions it admitted."""
+        if self.fallback is not None and self.fallback.holds(session_id):
+            return self.fallback
+        return self.state
+
+    async def get(self, tenant: Tenant, session_id: str) -> SessionRecord:
+        """The tenant's session; ``session_not_found`` for anyone else's (never 403: that
+        would confirm that the id exists)."""
+        now_ms = int(time.time() * 1000)
+        record = await self.store_for(session_id).get(session_id, now_ms)
+        if record is None or record.tenant != tenant.id:
+            raise KvgateError(
+                ErrorCode.SESSION_NOT_FOUND, f"no session {session_id!r}", param="session"
+            )
+        return record
+
+    async def close(self, tenant: Tenant, session_id: str) -> SessionRecord:
+        await self.get(tenant, session_id)
+        now_ms = int(time.time() * 1000)
+        record = await self.store_for(session_id).release(session_id, SessionState.CLOSED, now_ms)
+        assert record is not None
+        self._wake(session_id)
+        return record
+
+    # -- calls --------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def call_slot(
+        self, record: SessionRecord, call_id: str, call_deadline_ms: int
+    ) -> AsyncIterator[SessionRecord]:
+        """Hold one of the session's ``max_parallel`` call slots. A call beyond them waits for
+        one of its own session's calls to end, up to its deadline; it never takes anyone
+        else's capacity."""
+        store = self.store_for(record.id)
+        while True:
+            now_ms = int(time.time() * 1000)
+            status, current = await store.acquire_call(record.id, call_id, call_deadline_ms, now_ms)
+            if status is SlotStatus.ACQUIRED:
+                break
+            if status is SlotStatus.CLOSED:
+                raise KvgateError(ErrorCode.SESSION_CLOSED, f"session {record.id} is closed")
+            if status is SlotStatus.EXPIRED:
+                raise KvgateError(ErrorCode.SESSION_EXPIRED, f"session {record.id} has expired")
+            if status is SlotStatus.NOT_FOUND:
+                raise KvgateError(ErrorCode.SESSION_NOT_FOUND, f"no session {record.id!r}")
+            left_s = call_deadline_ms / 1000 - time.time()
+            if left_s <= 0:
+                raise DeadlineExceeded(
+                    f"the session's {record.max_parallel} call slots stayed busy until the "
+                    "call's deadline"
+                )
+            event = self._slot_freed.setdefault(record.id, asyncio.Event())
+            # Woken at once by a call ending on this replica; a call ending on another replica
+            # is seen at the next poll.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), min(SLOT_POLL_S, left_s))
+        try:
+            yield current or record
+        finally:
+            with contextlib.suppress(AdmissionUnavailable):
+                await store.release_call(record.id, call_id, int(time.time() * 1000))
+            self._wake(record.id)
+
+    def _wake(self, session_id: str) -> None:
+        event = self._slot_freed.pop(session_id, None)
+        if event is not None:
+            event.set()
+
+    async def end_one_call_session(self, record: SessionRecord) -> None:
+        with contextlib.suppress(AdmissionUnavailable):
+            await self.store_for(record.id).release(
+                record.id, SessionState.CLOSED, int(time.time() * 1000)
+            )
+
+
+def session_need_for_call(
+    tier: Tier, prompt_tokens: int, max_tokens: int, deadline_s: float
+) -> SessionNeed:
+    """A call with no session is a session of one call, admitted by the same policy."""
+    return SessionNeed(
+        tier=tier,
+        max_parallel=1,
+        expected_calls=1,
+        est_prompt_tokens=prompt_tokens,
+        est_output_tokens=max_tokens,
+        deadline_s=deadline_s,
+    )

@@ -1,0 +1,146 @@
+"""``/v1/sessions``: admit, inspect and close agent sessions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from api.admission import Admitter
+from api.chat_request import parse_json_object, read_body
+from api.deps import FrontDoorDep, TenantDep
+from broker.admission import SessionNeed
+from broker.admission_state import SessionRecord
+from broker.errors import InvalidRequest, KvgateError
+from broker.tenants import Tenant
+from schemas.sessions import SessionAdmission, SessionCreate, SessionLease, SessionOut
+from schemas.vocab import Decision, ErrorCode, Reason, Tier
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+_BODY_SCHEMA = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": SessionCreate.model_json_schema()}},
+    }
+}
+
+
+@router.post("", openapi_extra=_BODY_SCHEMA, response_model=None, status_code=201)
+async def create_session(request: Request, door: FrontDoorDep, tenant: TenantDep) -> JSONResponse:
+    settings = door.settings
+    body = parse_session_create(await read_body(request, settings.max_body_bytes))
+    need = session_need(body, tenant, door.admitter)
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    if key is not None and not (0 < len(key) <= 255 and key.isprintable()):
+        raise InvalidRequest(
+            ErrorCode.INVALID_PARAMETER,
+            f"{IDEMPOTENCY_HEADER} must be 1-255 printable characters",
+            param=IDEMPOTENCY_HEADER,
+        )
+    admitted = await door.admitter.admit(
+        tenant,
+        need,
+        scope="session",
+        idle_timeout_s=body.idle_timeout_s or settings.session_default_idle_timeout_s,
+        metadata=dict(body.metadata),
+        idempotency_key=key,
+    )
+    reason = Reason.ADMITTED_DEGRADED if admitted.degraded else Reason.ADMITTED
+    out = session_out(admitted.record, SessionAdmission(decision=Decision.ADMIT, reason=reason))
+    return JSONResponse(out.model_dump(mode="json"), status_code=200 if admitted.existing else 201)
+
+
+@router.get("/{session_id}")
+async def get_session(session_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
+    record = await door.admitter.get(tenant, session_id)
+    return session_out(record).model_dump(mode="json")
+
+
+@router.delete("/{session_id}")
+async def close_session(session_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
+    record = await door.admitter.close(tenant, session_id)
+    return session_out(record).model_dump(mode="json")
+
+
+def parse_session_create(raw_body: bytes) -> SessionCreate:
+    raw = parse_json_object(raw_body)
+    if "tier" not in raw:
+        names = ", ".join(t.value for t in Tier)
+        raise InvalidRequest(ErrorCode.INVALID_TIER, f"'tier' is required ({names})", param="tier")
+    try:
+        return SessionCreate.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or None
+        code = ErrorCode.INVALID_TIER if field == "tier" else ErrorCode.INVALID_PARAMETER
+        raise InvalidRequest(code, f"{field or 'body'}: {first['msg']}", param=field) from None
+
+
+def session_need(body: SessionCreate, tenant: Tenant, admitter: Admitter) -> SessionNeed:
+    settings = admitter.settings
+    check_tier(body.tier, tenant)
+    if body.max_parallel > settings.session_max_parallel:
+        raise InvalidRequest(
+            ErrorCode.INVALID_PARAMETER,
+            f"max_parallel must be at most {settings.session_max_parallel}",
+            param="max_parallel",
+        )
+    deadline_s = body.deadline_s or admitter.tenancy.tiers[body.tier].default_deadline_s
+    if deadline_s > settings.max_deadline_s:
+        raise InvalidRequest(
+            ErrorCode.INVALID_PARAMETER,
+            f"deadline_s must be at most {settings.max_deadline_s:g}",
+            param="deadline_s",
+        )
+    output = body.est_output_tokens or settings.session_default_output_tokens
+    if output > settings.max_tokens_limit:
+        raise InvalidRequest(
+            ErrorCode.INVALID_PARAMETER,
+            f"est_output_tokens must be at most {settings.max_tokens_limit}",
+            param="est_output_tokens",
+        )
+    return SessionNeed(
+        tier=body.tier,
+        max_parallel=body.max_parallel,
+        expected_calls=body.expected_calls or body.max_parallel,
+        est_prompt_tokens=body.est_prompt_tokens or settings.session_default_prompt_tokens,
+        est_output_tokens=output,
+        deadline_s=deadline_s,
+    )
+
+
+def check_tier(tier: Tier, tenant: Tenant) -> None:
+    if not tenant.allows(tier):
+        raise KvgateError(
+            ErrorCode.TIER_NOT_ALLOWED,
+            f"tier {tier.value!r} is above this tenant's highest tier {tenant.max_tier.value!r}",
+            param="tier",
+        )
+
+
+def session_out(record: SessionRecord, admission: SessionAdmission | None = None) -> SessionOut:
+    return SessionOut(
+        id=record.id,
+        tenant=record.tenant,
+        tier=record.tier,
+        state=record.state,
+        created_at=record.created_ms / 1000,
+        ended_at=None if record.ended_ms is None else record.ended_ms / 1000,
+        expected_calls=record.expected_calls,
+        est_prompt_tokens=record.est_prompt_tokens,
+        est_output_tokens=record.est_output_tokens,
+        idle_timeout_s=record.idle_timeout_ms / 1000,
+        calls_started=record.calls_started,
+        metadata=record.metadata,
+        lease=SessionLease(
+            reserved_tokens=record.reserved_tokens,
+            max_parallel=record.max_parallel,
+            expires_at=record.expires_ms / 1000,
+            deadline_at=record.deadline_ms / 1000,
+        ),
+        admission=admission,
+    )

@@ -1,0 +1,60 @@
+"""HTTP models of the sessions API (``/v1/sessions``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.vocab import Decision, Reason, SessionState, Tier
+
+MetadataValue = str | int | float | bool
+
+
+class SessionCreate(BaseModel):
+    """What an agent session declares it will need. All but ``tier`` have defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tier: Tier
+    max_parallel: int = Field(default=1, ge=1)
+    expected_calls: int | None = Field(default=None, ge=1)
+    """Defaults to ``max_parallel``."""
+    est_prompt_tokens: int | None = Field(default=None, ge=1)
+    est_output_tokens: int | None = Field(default=None, ge=1)
+    deadline_s: float | None = Field(default=None, gt=0)
+    """Defaults to the tier's default deadline."""
+    idle_timeout_s: float | None = Field(default=None, gt=0)
+    metadata: dict[str, MetadataValue] = Field(default_factory=dict, max_length=32)
+
+
+class SessionLease(BaseModel):
+    reserved_tokens: int
+    max_parallel: int
+    expires_at: float
+    """Unix seconds: the lease ends then unless a call extends it (idle timeout)."""
+    deadline_at: float
+    """Unix seconds: the lease never outlives this."""
+
+
+class SessionAdmission(BaseModel):
+    decision: Decision
+    reason: Reason
+
+
+class SessionOut(BaseModel):
+    id: str
+    object: Literal["session"] = "session"
+    tenant: str
+    tier: Tier
+    state: SessionState
+    created_at: float
+    ended_at: float | None
+    expected_calls: int
+    est_prompt_tokens: int
+    est_output_tokens: int
+    idle_timeout_s: float
+    calls_started: int
+    metadata: dict[str, MetadataValue]
+    lease: SessionLease
+    admission: SessionAdmission | None = None

@@ -1,0 +1,27 @@
+"""Heartbeats from workers that are not there: capacity for the front door to admit against
+without an engine (admission decides from heartbeats alone), or a worker that never pulls."""
+
+from __future__ import annotations
+
+import time
+
+from nats.js.kv import KeyValue
+
+from schemas.wire import WorkerHeartbeat, encode
+
+
+def idle_heartbeat(worker_id: str, capacity: int, max_num_seqs: int = 16) -> WorkerHeartbeat:
+    return WorkerHeartbeat(
+        worker_id=worker_id,
+        model="kvgate-dev",
+        sent_ms=int(time.time() * 1000),
+        kv_cache_usage=0.0,
+        num_running=0,
+        num_waiting=0,
+        max_num_seqs=max_num_seqs,
+        kv_capacity_tokens=capacity,
+    )
+
+
+async def put_heartbeat(kv: KeyValue, beat: WorkerHeartbeat) -> None:
+    await kv.put(beat.worker_id, encode(beat))

@@ -1,0 +1,422 @@
+"""The sessions API and session admission through a real front door (subprocess), real NATS and
+an in-process worker on the simulated engine, with a tenants file."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.natsserver import EmbeddedNats
+from broker.tenants import hash_key
+from tests.polling import poll_until
+from tests.procs import start_api
+from workers.sim_engine import SimEngine, SimEngineConfig
+from workers.worker import Worker, WorkerOptions
+
+MODEL = "kvgate-sim"
+ACME, SMALL, CHEAP = "acme-key", "small-key", "cheap-key"
+KV_TOKENS = 4096
+
+
+def tenants_toml() -> str:
+    return f"""
+[tiers.standard]
+share = 0.8
+ttft_ms = 2000
+tpot_ms = 100
+default_deadline_s = 60
+
+[[tenants]]
+id = "acme"
+key_sha256 = "{hash_key(ACME)}"
+max_tier = "guaranteed"
+
+[[tenants]]
+id = "small"
+key_sha256 = "{hash_key(SMALL)}"
+max_tier = "standard"
+max_sessions = 1
+
+[[tenants]]
+id = "cheap"
+key_sha256 = "{hash_key(CHEAP)}"
+max_tier = "besteffort"
+"""
+
+
+@dataclass
+class Door:
+    base: str
+    engine: SimEngine
+    ledger: Path
+
+    def client(self, key: str | None = ACME) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.AsyncClient(base_url=self.base, headers=headers, timeout=30)
+
+
+@pytest.fixture
+def tenants_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tenants.toml"
+    path.write_text(tenants_toml())
+    return path
+
+
+@pytest.fixture
+async def door(
+    nats_server: EmbeddedNats, tmp_path: Path, tenants_file: Path
+) -> AsyncIterator[Door]:
+    ledger = tmp_path / "decisions.db"
+    proc, base = start_api(
+        nats_server.url,
+        tmp_path,
+        KVGATE_TENANTS_FILE=str(tenants_file),
+        KVGATE_SERVED_MODEL_NAME=MODEL,
+        KVGATE_DATABASE_URL=f"sqlite:///{ledger}",
+    )
+    engine = SimEngine(SimEngineConfig(step_s=0.004, kv_capacity_tokens=KV_TOKENS))
+    worker = Worker(
+        engine,
+        WorkerOptions(
+            nats_url=nats_server.url,
+            worker_id="sim-1",
+            pull_expires_s=2,
+            heartbeat_interval_s=0.3,
+        ),
+    )
+    task = asyncio.create_task(worker.run())
+    try:
+        async with httpx.AsyncClient(base_url=base) as client:
+            await poll_until(
+                lambda: client.get("/readyz"), lambda r: r.status_code == 200, timeout_s=20
+            )
+        yield Door(base, engine, ledger)
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 15)
+        proc.stop()
+
+
+def chat(max_tokens: int = 20) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "plan the refactor"}],
+        "max_tokens": max_tokens,
+    }
+
+
+def session_body(**extra: Any) -> dict[str, Any]:
+    return {
+        "tier": "standard",
+        "max_parallel": 2,
+        "expected_calls": 6,
+        "est_prompt_tokens": 100,
+        "est_output_tokens": 50,
+        **extra,
+    }
+
+
+async def test_a_missing_or_unknown_key_is_a_401(door: Door) -> None:
+    for key in (None, "wrong"):
+        async with door.client(key) as client:
+            for resp in (
+                await client.post("/v1/sessions", json=session_body()),
+                await client.post("/v1/chat/completions", json=chat()),
+            ):
+                assert resp.status_code == 401
+                assert resp.json()["error"]["code"] == "unauthorized"
+                assert resp.json()["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize(
+    ("key", "body", "status", "code", "param"),
+    [
+        (ACME, session_body(max_parallel=-1), 400, "invalid_parameter", "max_parallel"),
+        (ACME, session_body(max_parallel=0), 400, "invalid_parameter", "max_parallel"),
+        (ACME, session_body(tier="gold"), 400, "invalid_tier", "tier"),
+        (ACME, {"max_parallel": 2}, 400, "invalid_tier", "tier"),
+        (ACME, session_body(deadline_s=-5), 400, "invalid_parameter", "deadline_s"),
+        (ACME, session_body(surprise=1), 400, "invalid_parameter", "surprise"),
+        (ACME, session_body(max_parallel=100_000), 400, "invalid_parameter", "max_parallel"),
+        (SMALL, session_body(tier="guaranteed"), 403, "tier_not_allowed", "tier"),
+        (CHEAP, session_body(tier="standard"), 403, "tier_not_allowed", "tier"),
+    ],
+)
+async def test_bad_session_requests_get_4xx_codes(
+    door: Door, key: str, body: dict[str, Any], status: int, code: str, param: str
+) -> None:
+    async with door.client(key) as client:
+        resp = await client.post("/v1/sessions", json=body)
+    assert resp.status_code == status, resp.text
+    assert (resp.json()["error"]["code"], resp.json()["error"]["param"]) == (code, param)
+
+
+async def test_invalid_json_is_a_400(door: Door) -> None:
+    async with door.client() as client:
+        resp = await client.post("/v1/sessions", content=b"{nope")
+    assert (resp.status_code, resp.json()["error"]["code"]) == (400, "invalid_json")
+
+
+async def test_session_lifecycle_create_get_call_close(door: Door) -> None:
+    async with door.client() as client:
+        created = await client.post("/v1/sessions", json=session_body(metadata={"agent": "a1"}))
+        assert created.status_code == 201, created.text
+        session = created.json()
+        sid = session["id"]
+        assert session["tier"] == "standard" and session["state"] == "active"
+        assert session["lease"]["reserved_tokens"] == 2 * 150
+        assert session["admission"] == {"decision": "admit", "reason": "admitted"}
+        assert session["metadata"] == {"agent": "a1"}
+        assert session["lease"]["expires_at"] <= session["lease"]["deadline_at"]
+
+        call = await client.post(
+            "/v1/chat/completions", json=chat(), headers={"X-Kvgate-Session": sid}
+        )
+        assert call.status_code == 200, call.text
+        assert call.headers["x-kvgate-session"] == sid
+        assert call.json()["usage"]["completion_tokens"] == 20
+
+        got = (await client.get(f"/v1/sessions/{sid}")).json()
+        assert got["calls_started"] == 1 and got["admission"] is None
+
+        # Another tenant cannot see it, or call in it.
+        async with door.client(SMALL) as other:
+            assert (await other.get(f"/v1/sessions/{sid}")).status_code == 404
+            foreign = await other.post(
+                "/v1/chat/completions", json=chat(), headers={"X-Kvgate-Session": sid}
+            )
+            assert foreign.json()["error"]["code"] == "session_not_found"
+
+        closed = await client.delete(f"/v1/sessions/{sid}")
+        assert closed.status_code == 200 and closed.json()["state"] == "closed"
+        late = await client.post(
+            "/v1/chat/completions", json=chat(), headers={"X-Kvgate-Session": sid}
+        )
+        assert (late.status_code, late.json()["error"]["code"]) == (409, "session_closed")
+        unknown = await client.post(
+            "/v1/chat/completions", json=chat(), headers={"X-Kvgate-Session": "sess_nope"}
+        )
+        assert (unknown.status_code, unknown.json()["error"]["code"]) == (
+            404,
+            "session_not_found",
+        )
+        mismatch = await client.post("/v1/sessions", json=session_body())
+        wrong_tier = await client.post(
+            "/v1/chat/completions",
+            json=chat(),
+            headers={"X-Kvgate-Session": mismatch.json()["id"], "X-Kvgate-Tier": "guaranteed"},
+        )
+        assert (wrong_tier.status_code, wrong_tier.json()["error"]["code"]) == (
+            400,
+            "invalid_tier",
+        )
+
+
+async def test_an_idempotency_key_makes_a_retried_create_return_the_same_session(
+    door: Door,
+) -> None:
+    async with door.client() as client:
+        headers = {"Idempotency-Key": "agent-7-run-1"}
+        first = await client.post("/v1/sessions", json=session_body(), headers=headers)
+        again = await client.post("/v1/sessions", json=session_body(), headers=headers)
+        fresh = await client.post("/v1/sessions", json=session_body())
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json()["id"] == again.json()["id"] != fresh.json()["id"]
+
+
+async def test_calls_beyond_max_parallel_wait_for_their_own_session(door: Door) -> None:
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, len(door.engine._running))
+            await asyncio.sleep(0.002)
+
+    async with door.client() as client:
+        sid = (await client.post("/v1/sessions", json=session_body(max_parallel=2))).json()["id"]
+        watcher = asyncio.create_task(watch())
+        try:
+            calls = await asyncio.gather(
+                *(
+                    client.post(
+                        "/v1/chat/completions",
+                        json=chat(60),
+                        headers={"X-Kvgate-Session": sid},
+                    )
+                    for _ in range(6)
+                )
+            )
+        finally:
+            watcher.cancel()
+        record = (await client.get(f"/v1/sessions/{sid}")).json()
+    assert [c.status_code for c in calls] == [200] * 6
+    assert peak == 2, peak
+    assert record["calls_started"] == 6
+
+
+async def test_an_idle_session_expires_and_its_calls_get_410(door: Door) -> None:
+    async with door.client() as client:
+        sid = (await client.post("/v1/sessions", json=session_body(idle_timeout_s=0.5))).json()[
+            "id"
+        ]
+        await asyncio.sleep(1.2)
+        got = (await client.get(f"/v1/sessions/{sid}")).json()
+        call = await client.post(
+            "/v1/chat/completions", json=chat(), headers={"X-Kvgate-Session": sid}
+        )
+    assert got["state"] == "expired" and got["ended_at"] is not None
+    assert (call.status_code, call.json()["error"]["code"]) == (410, "session_expired")
+
+
+async def test_a_tenant_over_its_quota_gets_429_with_retry_after(door: Door) -> None:
+    async with door.client(SMALL) as client:
+        first = await client.post("/v1/sessions", json=session_body())
+        second = await client.post("/v1/sessions", json=session_body())
+        await client.delete(f"/v1/sessions/{first.json()['id']}")
+        third = await client.post("/v1/sessions", json=session_body())
+    assert first.status_code == 201
+    assert second.status_code == 429
+    body = second.json()
+    assert (body["error"]["code"], body["decision"], body["error"]["type"]) == (
+        "tenant_quota",
+        "reject",
+        "rate_limit_error",
+    )
+    assert 1 <= body["retry_after"] == int(second.headers["retry-after"]) <= 60
+    assert third.status_code == 201  # closing released the quota at once
+
+
+async def test_a_session_the_fleet_cannot_hold_now_is_deferred_with_an_honest_retry_after(
+    door: Door,
+) -> None:
+    # Standard may hold 80% of 4,096 tokens; each session takes 8 x 150 = 1,200.
+    async with door.client() as client:
+        admitted = [
+            await client.post("/v1/sessions", json=session_body(max_parallel=8)) for _ in range(2)
+        ]
+        deferred = await client.post("/v1/sessions", json=session_body(max_parallel=8))
+        guaranteed = await client.post(
+            "/v1/sessions", json=session_body(max_parallel=4, tier="guaranteed")
+        )
+        for resp in admitted:
+            await client.delete(f"/v1/sessions/{resp.json()['id']}")
+        after_release = await client.post("/v1/sessions", json=session_body(max_parallel=8))
+    assert [r.status_code for r in admitted] == [201, 201]
+    assert deferred.status_code == 503
+    body = deferred.json()
+    assert (body["error"]["code"], body["decision"]) == ("tier_capacity", "defer")
+    assert 1 <= body["retry_after"] == int(deferred.headers["retry-after"]) <= 60
+    assert guaranteed.status_code == 201  # the top of the fleet is kept for guaranteed
+    assert after_release.status_code == 201
+
+
+async def test_a_call_with_no_session_is_a_one_call_session(door: Door) -> None:
+    async with door.client() as client:
+        resp = await client.post("/v1/chat/completions", json=chat())
+        assert resp.status_code == 200, resp.text
+        sid = resp.headers["x-kvgate-session"]
+        record = (await client.get(f"/v1/sessions/{sid}")).json()
+        too_big = await client.post("/v1/chat/completions", json=chat(4000))
+        above = await client.post(
+            "/v1/chat/completions", json=chat(), headers={"X-Kvgate-Tier": "guaranteed"}
+        )
+    assert record["state"] == "closed" and record["calls_started"] == 1
+    # 4,000 output tokens is more than standard may ever hold of a 4,096-token fleet.
+    assert (too_big.status_code, too_big.json()["error"]["code"]) == (503, "exceeds_capacity")
+    assert above.status_code == 200  # acme may use guaranteed
+    async with door.client(CHEAP) as cheap:
+        resp = await cheap.post("/v1/chat/completions", json=chat())  # defaults to besteffort
+        refused = await cheap.post(
+            "/v1/chat/completions", json=chat(), headers={"X-Kvgate-Tier": "standard"}
+        )
+    assert resp.status_code == 200
+    assert (refused.status_code, refused.json()["error"]["code"]) == (403, "tier_not_allowed")
+
+
+def ledger_rows(path: Path) -> list[tuple[str, str, str, str, str]]:
+    with sqlite3.connect(path) as conn:
+        return conn.execute(
+            "SELECT tenant, tier, scope, decision, reason FROM admission_decisions ORDER BY id"
+        ).fetchall()
+
+
+async def test_every_decision_is_in_the_ledger_and_the_metrics(door: Door) -> None:
+    async with door.client(SMALL) as client:
+        await client.post("/v1/sessions", json=session_body())
+        await client.post("/v1/sessions", json=session_body())
+        metrics = (await client.get("/metrics")).text
+    rows = await poll_until(
+        lambda: asyncio.to_thread(ledger_rows, door.ledger), lambda r: len(r) >= 2, timeout_s=10
+    )
+    assert rows == [
+        ("small", "standard", "session", "admit", "admitted"),
+        ("small", "standard", "session", "reject", "tenant_quota"),
+    ]
+    with sqlite3.connect(door.ledger) as conn:
+        signals, latency = conn.execute(
+            "SELECT signals, latency_us FROM admission_decisions ORDER BY id DESC LIMIT 1"
+        ).fetchone()
+    assert '"tenant_sessions": 1' in signals and latency > 0
+    values = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+    }
+    key = (
+        "kvgate_admission_decisions_total",
+        (("decision", "reject"), ("reason", "tenant_quota"), ("tier", "standard")),
+    )
+    assert values[key] == 1
+    assert values[("kvgate_ledger_dropped_total", ())] == 0
+
+
+@pytest.fixture
+def redis_down_door(nats_server: EmbeddedNats, tmp_path: Path, tenants_file: Path) -> Iterator[str]:
+    proc, base = start_api(
+        nats_server.url,
+        tmp_path,
+        KVGATE_TENANTS_FILE=str(tenants_file),
+        KVGATE_SERVED_MODEL_NAME=MODEL,
+        KVGATE_REDIS_URL="redis://127.0.0.1:1/0",  # nothing listens there
+    )
+    try:
+        yield base
+    finally:
+        proc.stop()
+
+
+async def test_with_redis_down_guaranteed_degrades_to_a_local_budget_and_others_wait(
+    redis_down_door: str, nats_server: EmbeddedNats
+) -> None:
+    from tests.test_no_worker import stuck_worker_heartbeat
+
+    await stuck_worker_heartbeat(nats_server.url)  # capacity to admit against: 2,048 tokens
+    await asyncio.sleep(0.3)
+    headers = {"Authorization": f"Bearer {ACME}"}
+    async with httpx.AsyncClient(base_url=redis_down_door, headers=headers) as client:
+        guaranteed = await client.post(
+            "/v1/sessions", json=session_body(tier="guaranteed", max_parallel=4)
+        )
+        # The local budget is half the fleet (KVGATE_DEGRADED_SHARE 0.5): 1,024 tokens.
+        too_much = await client.post(
+            "/v1/sessions", json=session_body(tier="guaranteed", max_parallel=4)
+        )
+        standard = await client.post("/v1/sessions", json=session_body())
+        got = await client.get(f"/v1/sessions/{guaranteed.json()['id']}")
+    assert guaranteed.status_code == 201, guaranteed.text
+    assert guaranteed.json()["admission"]["reason"] == "admitted_degraded"
+    assert got.status_code == 200
+    assert (too_much.status_code, too_much.json()["error"]["code"]) == (503, "fleet_saturated")
+    assert standard.status_code == 503
+    body = standard.json()
+    assert (body["error"]["code"], body["decision"]) == ("admission_unavailable", "defer")
+    assert body["retry_after"] == int(standard.headers["retry-after"])
