@@ -40,7 +40,7 @@ from broker.admission_state import (
 )
 from broker.errors import AdmissionUnavailable, DeadlineExceeded, KvgateError, Refused
 from broker.fleet import FleetView
-from broker.ledger import AdmissionRecord, Ledger, utcnow
+from broker.ledger import Ledger, LedgerEntry, utcnow
 from broker.settings import ApiSettings
 from broker.tenants import Tenancy, Tenant
 from schemas.vocab import Decision, ErrorCode, Reason, SessionState, Tier
@@ -306,7 +306,7 @@ class Admitter:
         if self.ledger is None:
             return
         self.ledger.record(
-            AdmissionRecord(
+            LedgerEntry(
                 decided_at=utcnow(),
                 replica=self.replica,
                 tenant=tenant.id,

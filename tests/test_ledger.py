@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from sqlalchemy import create_engine, inspect
 
-from broker.ledger import AdmissionRecord, Ledger, engine_url, migrate, utcnow
+from broker.ledger import Ledger, LedgerEntry, engine_url, migrate, utcnow
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -32,8 +32,8 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def entry(i: int, decision: str = "admit", reason: str = "admitted") -> AdmissionRecord:
-    return AdmissionRecord(
+def entry(i: int, decision: str = "admit", reason: str = "admitted") -> LedgerEntry:
+    return LedgerEntry(
         decided_at=utcnow(),
         replica="r1",
         tenant="acme",
