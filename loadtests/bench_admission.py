@@ -1,0 +1,298 @@
+"""Admission benchmarks.
+
+1. Policy: ``broker.admission.decide`` in-process on a realistic snapshot (8 workers, lag on
+   every tier, a tenant with sessions held), timed one decision at a time: p50/p99.
+2. HTTP: ``POST /v1/sessions`` against one front-door process (``kvgate api``, real uvicorn)
+   with Redis admission state and the SQLite ledger on, at a fixed open-loop arrival rate
+   (default 500 sessions/s), then closed-loop at a fixed concurrency for the rate one process
+   sustains. Client-side latency is the full HTTP round trip; server-side latency is the
+   decision time each ledger row records (signals, policy, Redis reservation).
+
+The fleet is a heartbeat with ample capacity (no engine is needed to decide), and sessions
+idle out after 2 s, so the state stays at steady size. Run:
+
+    .venv/bin/python -m loadtests.bench_admission --out loadtests/results/admission.json
+
+(about 1 minute). Needs Redis on 127.0.0.1:6379 (``--redis-url``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from broker.admission import (
+    AdmissionPolicy,
+    FleetSnapshot,
+    Holdings,
+    Pressure,
+    SessionNeed,
+    WorkerReading,
+    decide,
+)
+from broker.tenants import DEFAULT_TIERS, Tenant
+from schemas.vocab import Tier
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def bench_policy(decisions: int) -> dict[str, Any]:
+    workers = tuple(
+        WorkerReading(
+            worker_id=f"w{i}",
+            kv_usage=0.4 + 0.05 * i,
+            kv_capacity_tokens=200_000,
+            running=20 + i,
+            waiting=i % 3,
+            max_num_seqs=64,
+            tokens_per_s=900.0 + 10 * i,
+            age_s=0.3 * i,
+        )
+        for i in range(8)
+    )
+    fleet = FleetSnapshot(workers, {Tier.GUARANTEED: 3, Tier.STANDARD: 40, Tier.BESTEFFORT: 400})
+    holdings = Holdings(
+        reserved_by_tier={Tier.GUARANTEED: 200_000, Tier.STANDARD: 500_000, Tier.BESTEFFORT: 10},
+        tenant_sessions=12,
+        tenant_parallel=80,
+        tenant_tokens_this_minute=1_000_000,
+        released_tokens_per_s=25_000.0,
+    )
+    tenant = Tenant(id="acme", key_sha256="a" * 64, max_tier=Tier.GUARANTEED)
+    policy = AdmissionPolicy(tiers=DEFAULT_TIERS)
+    needs = [
+        SessionNeed(tier, 8, 24, 1_500, 300, 600.0)
+        for tier in (Tier.GUARANTEED, Tier.STANDARD, Tier.BESTEFFORT)
+    ]
+    timings: list[float] = []
+    outcomes: dict[str, int] = {}
+    clock = time.perf_counter_ns
+    for i in range(decisions):
+        need = needs[i % 3]
+        started = clock()
+        d = decide(
+            need, tenant, fleet, holdings, Pressure.NORMAL, policy, max_age_s=6.0, jitter=0.5
+        )
+        timings.append((clock() - started) / 1000)
+        outcomes[d.reason.value] = outcomes.get(d.reason.value, 0) + 1
+    return {
+        "decisions": decisions,
+        "p50_us": round(percentile(timings, 50), 2),
+        "p99_us": round(percentile(timings, 99), 2),
+        "mean_us": round(statistics.fmean(timings), 2),
+        "outcomes": outcomes,
+    }
+
+
+@contextlib.asynccontextmanager
+async def front_door(root: Path, redis_url: str, prefix: str) -> AsyncIterator[tuple[str, Path]]:
+    import nats
+
+    from broker.natsserver import EmbeddedNats
+    from schemas.wire import WORKERS_BUCKET
+    from tests.heartbeats import idle_heartbeat, put_heartbeat
+    from tests.procs import Proc, free_port, wait_http
+
+    server = EmbeddedNats(root / "nats", log_file=root / "nats.log").start()
+    ledger = root / "ledger.db"
+    port = free_port()
+    api = Proc(
+        "api",
+        [sys.executable, "-m", "broker.cli", "--log-level", "WARNING", "api", "--port", str(port)],
+        {
+            "KVGATE_NATS_URL": server.url,
+            "KVGATE_REDIS_URL": redis_url,
+            "KVGATE_REDIS_PREFIX": prefix,
+            "KVGATE_DATABASE_URL": f"sqlite:///{ledger}",
+        },
+        root,
+    )
+    nc = await nats.connect(server.url)
+    beat_task: asyncio.Task[None] | None = None
+    try:
+        base = f"http://127.0.0.1:{port}"
+        await asyncio.to_thread(wait_http, base + "/healthz", api, timeout=60)
+        kv = await nc.jetstream().key_value(WORKERS_BUCKET)
+
+        async def beat() -> None:
+            while True:
+                await put_heartbeat(kv, idle_heartbeat("bench", 10**9, max_num_seqs=256))
+                await asyncio.sleep(0.5)
+
+        beat_task = asyncio.create_task(beat())
+        await asyncio.to_thread(wait_http, base + "/readyz", api, timeout=30)
+        yield base, ledger
+    finally:
+        if beat_task is not None:
+            beat_task.cancel()
+        await nc.close()
+        api.stop()
+        server.stop()
+
+
+SESSION = {
+    "tier": "standard",
+    "max_parallel": 4,
+    "expected_calls": 12,
+    "est_prompt_tokens": 800,
+    "est_output_tokens": 200,
+    "idle_timeout_s": 2,
+}
+
+
+async def open_loop(base: str, rate: float, seconds: float) -> dict[str, Any]:
+    """Arrivals at a fixed rate, whatever the answers' latency (an open system)."""
+    latencies: list[float] = []
+    statuses: dict[int, int] = {}
+    connector = aiohttp.TCPConnector(limit=512)
+    async with aiohttp.ClientSession(base, connector=connector) as client:
+
+        async def one() -> None:
+            started = time.perf_counter()
+            async with client.post("/v1/sessions", json=SESSION) as resp:
+                await resp.read()
+            latencies.append((time.perf_counter() - started) * 1000)
+            statuses[resp.status] = statuses.get(resp.status, 0) + 1
+
+        tasks: list[asyncio.Task[None]] = []
+        total = int(rate * seconds)
+        t0 = time.perf_counter()
+        for i in range(total):
+            delay = t0 + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        offered_s = time.perf_counter() - t0
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - t0
+    return {
+        "offered_rate": rate,
+        "sessions": total,
+        "achieved_offer_rate": round(total / offered_s, 1),
+        "completed_rate": round(total / elapsed, 1),
+        "statuses": statuses,
+        "p50_ms": round(percentile(latencies, 50), 2),
+        "p99_ms": round(percentile(latencies, 99), 2),
+        "max_ms": round(max(latencies), 2),
+    }
+
+
+async def closed_loop(base: str, concurrency: int, seconds: float) -> dict[str, Any]:
+    """``concurrency`` clients each sending the next request as soon as the last is answered."""
+    latencies: list[float] = []
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(base, connector=connector) as client:
+        stop_at = time.perf_counter() + seconds
+
+        async def loop() -> None:
+            while time.perf_counter() < stop_at:
+                started = time.perf_counter()
+                async with client.post("/v1/sessions", json=SESSION) as resp:
+                    await resp.read()
+                    resp.raise_for_status()
+                latencies.append((time.perf_counter() - started) * 1000)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    return {
+        "concurrency": concurrency,
+        "sessions": len(latencies),
+        "sessions_per_s": round(len(latencies) / elapsed, 1),
+        "p50_ms": round(percentile(latencies, 50), 2),
+        "p99_ms": round(percentile(latencies, 99), 2),
+    }
+
+
+def server_side(ledger: Path, since_id: int) -> tuple[dict[str, Any], int]:
+    with sqlite3.connect(ledger) as conn:
+        rows = conn.execute(
+            "SELECT id, latency_us FROM admission_decisions WHERE id > ?", (since_id,)
+        ).fetchall()
+    values = [float(r[1]) for r in rows]
+    last = max((r[0] for r in rows), default=since_id)
+    if not values:
+        return {"decisions": 0}, last
+    return {
+        "decisions": len(values),
+        "p50_us": round(percentile(values, 50)),
+        "p99_us": round(percentile(values, 99)),
+    }, last
+
+
+async def bench_http(args: argparse.Namespace) -> dict[str, Any]:
+    prefix = f"{{kvgate-bench-{uuid.uuid4().hex[:8]}}}"
+    from broker.redis_state import RedisAdmissionState
+
+    with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
+        async with front_door(Path(tmp), args.redis_url, prefix) as (base, ledger):
+            await open_loop(base, 50, 2)  # warm-up: connections, first Redis script load
+            await asyncio.sleep(2.5)  # the warm-up's ledger rows are written
+            _, mark = server_side(ledger, 0)
+            results: dict[str, Any] = {"open_loop": [], "closed_loop": None}
+            for rate in args.rates:
+                run = await open_loop(base, rate, args.seconds)
+                await asyncio.sleep(1.0)
+                run["server"], mark = server_side(ledger, mark)
+                results["open_loop"].append(run)
+                print(json.dumps(run), file=sys.stderr)
+                await asyncio.sleep(2.5)  # sessions idle out between runs
+            closed = await closed_loop(base, args.concurrency, args.seconds)
+            await asyncio.sleep(1.0)
+            closed["server"], mark = server_side(ledger, mark)
+            results["closed_loop"] = closed
+            print(json.dumps(closed), file=sys.stderr)
+    store = RedisAdmissionState(args.redis_url, prefix=prefix)
+    await store.delete_all()
+    await store.close()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("loadtests/results/admission.json"))
+    parser.add_argument("--decisions", type=int, default=200_000)
+    parser.add_argument("--rates", type=float, nargs="+", default=[250.0, 500.0])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    args = parser.parse_args()
+
+    report: dict[str, Any] = {
+        "command": "python -m loadtests.bench_admission " + " ".join(sys.argv[1:]),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "policy": bench_policy(args.decisions),
+    }
+    print(json.dumps(report["policy"]), file=sys.stderr)
+    report["http"] = asyncio.run(bench_http(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
