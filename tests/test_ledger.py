@@ -4,17 +4,14 @@ dropped afterwards): migrations, off-path batched writes, and counted drops."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
 from sqlalchemy import create_engine, inspect
 
 from broker.ledger import Ledger, LedgerEntry, engine_url, migrate, utcnow
-
-PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
+from tests.databases import postgres_database
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -22,14 +19,8 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path}/ledger.db"
         return
-    name = f"kvgate_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with postgres_database() as url:
+        yield url
 
 
 def entry(i: int, decision: str = "admit", reason: str = "admitted") -> LedgerEntry:

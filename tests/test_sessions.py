@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -420,3 +421,38 @@ async def test_with_redis_down_guaranteed_degrades_to_a_local_budget_and_others_
     body = standard.json()
     assert (body["error"]["code"], body["decision"]) == ("admission_unavailable", "defer")
     assert body["retry_after"] == int(standard.headers["retry-after"])
+
+
+async def test_a_front_door_records_its_decisions_in_postgresql(
+    nats_server: EmbeddedNats, tmp_path: Path, tenants_file: Path
+) -> None:
+    from tests.databases import postgres_database
+    from tests.test_no_worker import stuck_worker_heartbeat
+
+    def rows(url: str) -> list[tuple[str, str, str]]:
+        with psycopg.connect(url) as conn:
+            return conn.execute(
+                "SELECT tenant, decision, reason FROM admission_decisions ORDER BY id"
+            ).fetchall()
+
+    with postgres_database() as url:
+        proc, base = start_api(
+            nats_server.url,
+            tmp_path,
+            KVGATE_TENANTS_FILE=str(tenants_file),
+            KVGATE_SERVED_MODEL_NAME=MODEL,
+            KVGATE_DATABASE_URL=url,
+        )
+        try:
+            await stuck_worker_heartbeat(nats_server.url)
+            await asyncio.sleep(0.3)
+            headers = {"Authorization": f"Bearer {SMALL}"}
+            async with httpx.AsyncClient(base_url=base, headers=headers) as client:
+                assert (await client.post("/v1/sessions", json=session_body())).status_code == 201
+                assert (await client.post("/v1/sessions", json=session_body())).status_code == 429
+            written = await poll_until(
+                lambda: asyncio.to_thread(rows, url), lambda r: len(r) >= 2, timeout_s=10
+            )
+        finally:
+            proc.stop()
+    assert written == [("small", "admit", "admitted"), ("small", "reject", "tenant_quota")]
