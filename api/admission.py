@@ -18,6 +18,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+from opentelemetry.trace import Span
+
 from api.metrics import FrontDoorMetrics
 from broker.admission import (
     AdmissionDecision,
@@ -42,6 +44,7 @@ from broker.errors import AdmissionUnavailable, DeadlineExceeded, KvgateError, R
 from broker.fleet import FleetView
 from broker.ledger import Ledger, LedgerEntry, utcnow
 from broker.settings import ApiSettings
+from broker.telemetry import tracer
 from broker.tenants import Tenancy, Tenant
 from schemas.vocab import Decision, ErrorCode, Reason, SessionState, Tier
 
@@ -102,6 +105,7 @@ class Admitter:
         self._rng = random.Random()
         self._slot_freed: dict[str, asyncio.Event] = {}
         self._task: asyncio.Task[None] | None = None
+        self._state_reachable = True
 
     # -- background: pressure readings and lease expiry ---------------------------------
 
@@ -119,12 +123,17 @@ class Admitter:
             now_ms = int(time.time() * 1000)
             self.pressure.observe(fleet_load(self.snapshot(now_ms), self.max_age_s))
             self.metrics.pressure.set(int(self.pressure.state))
+            if self.fallback is not None:
+                await self.fallback.sweep(now_ms)
             try:
                 await self.state.sweep(now_ms)
-                if self.fallback is not None:
-                    await self.fallback.sweep(now_ms)
+                if not self._state_reachable:
+                    log.info("admission state reachable again")
+                self._state_reachable = True
             except AdmissionUnavailable as exc:
-                log.warning("lease sweep skipped: %s", exc)
+                if self._state_reachable:  # once per outage, not twice a second
+                    log.error("%s; degraded tiers: %s", exc, self.settings.degraded_tiers)
+                self._state_reachable = False
             await asyncio.sleep(interval_s)
 
     @property
@@ -164,6 +173,22 @@ class Admitter:
         idempotency_key: str | None = None,
     ) -> Admitted:
         """Admit a session or raise ``Refused`` (or ``AdmissionUnavailable``)."""
+        with tracer().start_as_current_span("admission") as span:
+            admitted = await self._admit(
+                tenant, need, scope, idle_timeout_s, metadata, idempotency_key, span
+            )
+        return admitted
+
+    async def _admit(
+        self,
+        tenant: Tenant,
+        need: SessionNeed,
+        scope: str,
+        idle_timeout_s: float,
+        metadata: dict[str, object] | None,
+        idempotency_key: str | None,
+        span: Span,
+    ) -> Admitted:
         started = time.perf_counter()
         now_ms = int(time.time() * 1000)
         snapshot = self.snapshot(now_ms)
@@ -208,7 +233,18 @@ class Admitter:
             degraded = True
         latency_s = time.perf_counter() - started
         self._observe(tenant, need, decision, scope, admitted, latency_s)
+        if span.is_recording():
+            span.set_attributes(_span_attributes(tenant, need, decision, scope, admitted))
         if admitted is None:
+            log.info(
+                "%s %s session of tenant %s (%s): %s, retry after %s s",
+                decision.decision.value,
+                need.tier.value,
+                tenant.id,
+                scope,
+                decision.reason.value,
+                decision.retry_after_s,
+            )
             raise Refused(
                 decision.reason.error_code,
                 _MESSAGES[decision.reason],
@@ -400,6 +436,32 @@ class Admitter:
             await self.store_for(record.id).release(
                 record.id, SessionState.CLOSED, int(time.time() * 1000)
             )
+
+
+def _span_attributes(
+    tenant: Tenant,
+    need: SessionNeed,
+    decision: AdmissionDecision,
+    scope: str,
+    admitted: tuple[SessionRecord, bool] | None,
+) -> dict[str, str | int | float]:
+    out: dict[str, str | int | float] = {
+        "kvgate.tenant": tenant.id,
+        "kvgate.tier": need.tier.value,
+        "kvgate.scope": scope,
+        "kvgate.decision": decision.decision.value,
+        "kvgate.reason": decision.reason.value,
+        "kvgate.need_tokens": need.reserve_tokens,
+        "kvgate.max_parallel": need.max_parallel,
+    }
+    if decision.retry_after_s is not None:
+        out["kvgate.retry_after_s"] = decision.retry_after_s
+    if admitted is not None:
+        out["kvgate.session_id"] = admitted[0].id
+    for name, value in decision.signals.items():
+        if value is not None:
+            out[f"kvgate.signal.{name}"] = value
+    return out
 
 
 def session_need_for_call(

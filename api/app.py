@@ -17,6 +17,7 @@ from api.metrics import FrontDoorMetrics
 from api.replies import ReplyRouter
 from api.routes import admin, chat, health, models, sessions
 from api.state import FrontDoor
+from api.tracing import RequestSpanMiddleware
 from broker.admission_state import AdmissionState, MemoryAdmissionState
 from broker.fleet import FleetView, FleetWatcher
 from broker.ledger import Ledger, engine_url
@@ -24,6 +25,7 @@ from broker.publisher import CallPublisher
 from broker.redis_state import RedisAdmissionState
 from broker.settings import ApiSettings
 from broker.streams import provision_calls, workers_bucket
+from broker.telemetry import tracing_wanted
 from broker.tenants import load_tenancy
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app = FastAPI(title="kvgate", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     install_error_handlers(app)
+    if tracing_wanted():
+        app.add_middleware(RequestSpanMiddleware)
     app.include_router(chat.router)
     app.include_router(sessions.router)
     app.include_router(models.router)

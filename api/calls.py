@@ -14,9 +14,14 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
 from api.replies import ReplyEvent
 from api.state import FrontDoor
 from broker.errors import DeadlineExceeded, KvgateError
+from broker.telemetry import inject_headers, tracer
 from schemas.vocab import ErrorCode
 from schemas.wire import CANCEL_SUBJECT_PREFIX, CallEnvelope, Done, Failed, TokenDelta
 
@@ -39,9 +44,41 @@ async def follow_call(
     stream = door.replies.open(call.call_id)
     finished = False
     observed = _CallObservation(door, call)
+    # Spans are started and ended by hand, not made current: this generator yields, and a
+    # context made current here would leak into (or be reset from) the consumer's context.
+    parent = otel_context.get_current()
+    attributes = {
+        "kvgate.call_id": call.call_id,
+        "kvgate.session_id": call.session_id,
+        "kvgate.tier": call.tier.value,
+    }
+    publish_span = tracer().start_span(
+        "publish",
+        context=parent,
+        kind=SpanKind.PRODUCER,
+        attributes={
+            **attributes,
+            "messaging.system": "nats",
+            "messaging.destination.name": call.tier.subject,
+            "kvgate.deadline_ms": call.deadline_ms,
+        },
+    )
+    stream_span: Span | None = None
     try:
-        await door.publisher.publish(call, stream.inbox, now_ms=int(time.time() * 1000))
+        trace_headers = inject_headers({}, trace.set_span_in_context(publish_span, parent))
+        try:
+            seq = await door.publisher.publish(
+                call, stream.inbox, now_ms=int(time.time() * 1000), trace_headers=trace_headers
+            )
+            publish_span.set_attribute("messaging.message.id", str(seq))
+        except KvgateError as exc:
+            publish_span.set_status(Status(StatusCode.ERROR, exc.code.value))
+            raise
+        finally:
+            publish_span.end()
         observed.published()
+        stream_span = tracer().start_span("stream", context=parent, attributes=attributes)
+        observed.span = stream_span
         attempt: int | None = None
         while True:
             if attempt is None:
@@ -64,6 +101,7 @@ async def follow_call(
             current: list[ReplyEvent] = []
             for event in batch:
                 if attempt is not None and event.attempt != attempt:
+                    stream_span.add_event("redelivered", {"kvgate.attempt": event.attempt})
                     if current:
                         yield current
                         current = []
@@ -84,6 +122,8 @@ async def follow_call(
         if not finished:
             with contextlib.suppress(Exception):
                 await door.nc.publish(f"{CANCEL_SUBJECT_PREFIX}{call.call_id}", b"")
+        if stream_span is not None:
+            stream_span.end()
 
 
 class _CallObservation:
@@ -97,6 +137,8 @@ class _CallObservation:
         self._first_event = False
         self._first_token: float | None = None
         self._outcome: str | None = None
+        self._tokens = 0
+        self.span: Span | None = None
 
     def published(self) -> None:
         self._published = time.monotonic()
@@ -110,15 +152,20 @@ class _CallObservation:
         for event in batch:
             if isinstance(event, TokenDelta):
                 tokens += event.tokens
+                if event.queue_wait_ms is not None:
+                    self._metrics.queue_wait.labels(self._tier).observe(event.queue_wait_ms / 1000)
             elif isinstance(event, Done):
                 self._done(event, now)
             elif isinstance(event, Failed):
                 self.ended(event.code.value)
         if tokens:
+            self._tokens += tokens
             self._metrics.tokens.labels(self._tier).inc(tokens)
             if self._first_token is None:
                 self._first_token = now
                 self._metrics.ttft.labels(self._tier).observe(time.time() - self._created_s)
+                if self.span is not None:
+                    self.span.add_event("first_token")
 
     def _done(self, event: Done, now: float) -> None:
         if self._first_token is not None and event.usage.completion_tokens > 1:
@@ -130,6 +177,11 @@ class _CallObservation:
         if self._outcome is None:
             self._outcome = outcome
             self._metrics.calls.labels(self._tier, outcome).inc()
+            if self.span is not None:
+                self.span.set_attribute("kvgate.outcome", outcome)
+                self.span.set_attribute("kvgate.tokens_out", self._tokens)
+                if outcome != "ok":
+                    self.span.set_status(Status(StatusCode.ERROR, outcome))
 
 
 def failure_error(event: Failed) -> KvgateError:

@@ -117,6 +117,13 @@ class FrontDoorMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.queue_wait = Histogram(
+            "kvgate_queue_wait_seconds",
+            "From publishing a call to its engine start, as the worker measured it",
+            ["tier"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.tokens = Counter(
             "kvgate_tokens_streamed",
             "Output tokens relayed to callers",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import sys
@@ -23,12 +22,14 @@ from pathlib import Path
 
 from broker.settings import DEFAULT_NATS_PORT
 
+# Services log JSON lines (with trace ids); commands a person reads log text.
+_SERVICES = ("api", "worker", "nats")
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+
+def _configure_logging(level: str, fmt: str | None, command: str) -> None:
+    from broker.telemetry import setup_logging
+
+    setup_logging(level, fmt or ("json" if command in _SERVICES else "text"))
 
 
 def cmd_model_build(args: argparse.Namespace) -> int:
@@ -80,7 +81,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         if value is not None
     }
     settings = WorkerSettings(**overrides)
-    return asyncio.run(serve(settings))
+    from broker.telemetry import setup_tracing, shutdown_tracing
+
+    setup_tracing("kvgate-worker")
+    try:
+        return asyncio.run(serve(settings))
+    finally:
+        shutdown_tracing()
 
 
 def cmd_api(args: argparse.Namespace) -> int:
@@ -88,16 +95,22 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     from api.app import create_app
     from broker.settings import ApiSettings
+    from broker.telemetry import setup_tracing, shutdown_tracing
 
     overrides = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
     settings = ApiSettings(**overrides)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=10,
-    )
+    setup_tracing("kvgate-api")
+    try:
+        uvicorn.run(
+            create_app(settings),
+            host=settings.host,
+            port=settings.port,
+            log_level=args.log_level.lower(),
+            log_config=None,  # uvicorn's loggers go through kvgate's (JSON) handler
+            timeout_graceful_shutdown=10,
+        )
+    finally:
+        shutdown_tracing()
     return 0
 
 
@@ -201,6 +214,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--log-level", default=os.environ.get("KVGATE_LOG_LEVEL", "INFO"))
+    parser.add_argument(
+        "--log-format",
+        choices=("json", "text"),
+        default=os.environ.get("KVGATE_LOG_FORMAT") or None,
+        help="default: json for the services (api, worker, nats), text for the rest",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     model = sub.add_parser("model", help="development model").add_subparsers(
@@ -263,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _configure_logging(args.log_level)
+    _configure_logging(args.log_level, args.log_format, args.command)
     code: int = args.func(args)
     return code
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import nats.errors
 from nats.js import JetStreamContext
@@ -32,11 +33,20 @@ class CallPublisher:
         self._js = js
         self._timeout = timeout
 
-    async def publish(self, call: CallEnvelope, reply_inbox: str, *, now_ms: int) -> int:
+    async def publish(
+        self,
+        call: CallEnvelope,
+        reply_inbox: str,
+        *,
+        now_ms: int,
+        trace_headers: Mapping[str, str] | None = None,
+    ) -> int:
         """Queue ``call`` and return its stream sequence.
 
         ``Nats-TTL`` is the time left to the deadline, rounded up to whole seconds (the
         server's granularity), so the server never drops a call that could still start.
+        ``trace_headers`` (``traceparent``, ``tracestate``) ride along so that the worker's
+        spans join the caller's trace.
         """
         remaining_ms = call.deadline_ms - now_ms
         if remaining_ms <= 0:
@@ -48,7 +58,7 @@ class CallPublisher:
                 encode(call),
                 timeout=self._timeout,
                 stream=STREAM_NAME,
-                headers=call_headers(call, reply_inbox),
+                headers={**call_headers(call, reply_inbox), **(trace_headers or {})},
                 msg_ttl=ttl_s,
             )
         except APIError as exc:

@@ -85,6 +85,8 @@ class TokenDelta(msgspec.Struct, frozen=True, tag="token"):
     attempt: int
     text: str
     tokens: int
+    queue_wait_ms: int | None = None
+    """On an attempt's first token only: from the call's publish to its engine start."""
 
 
 class Done(msgspec.Struct, frozen=True, tag="done"):

@@ -10,6 +10,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from broker.natsserver import EmbeddedNats
+from tests.otlp import OtlpHttpReceiver, SpanStore
 from tests.procs import KVGATE, Proc, start_api, start_worker, wait_http
 
 
@@ -54,20 +55,30 @@ class Stack:
     api: Proc
     base_url: str
     log_dir: Path
+    traces: SpanStore
+    """Every span the stack's front door and worker exported over OTLP/HTTP."""
 
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory, dev_model: Path) -> Iterator[Stack]:
     """NATS, one real vLLM CPU worker and the front door, shared by the end-to-end tests (the
-    engine takes ~30 s to start, so it starts once per session)."""
+    engine takes ~30 s to start, so it starts once per session). Both export their spans to
+    an OTLP receiver in this process."""
     root = tmp_path_factory.mktemp("stack")
+    receiver = OtlpHttpReceiver().start()
+    otel = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
     server = EmbeddedNats(root / "nats", log_file=root / "nats.log").start()
-    worker = start_worker(server.url, dev_model, root, "w1")
-    api, base = start_api(server.url, root, **PULL_TEST_ADMISSION)
+    worker = start_worker(server.url, dev_model, root, "w1", **otel)
+    api, base = start_api(server.url, root, **PULL_TEST_ADMISSION, **otel)
     try:
         wait_http(base + "/readyz", worker, timeout=240)
-        yield Stack(server, worker, api, base, root)
+        yield Stack(server, worker, api, base, root, receiver.store)
     finally:
         api.stop()
         worker.stop()
         server.stop()
+        receiver.stop()

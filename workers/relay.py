@@ -20,8 +20,8 @@ class ReplyRelay:
         self.tokens_sent = 0
         self.finished = False
 
-    async def token(self, text: str, tokens: int) -> None:
-        await self._send(TokenDelta(self._next(), self._attempt, text, tokens))
+    async def token(self, text: str, tokens: int, queue_wait_ms: int | None = None) -> None:
+        await self._send(TokenDelta(self._next(), self._attempt, text, tokens, queue_wait_ms))
         self.tokens_sent += tokens
 
     async def done(self, finish_reason: FinishReason, usage: Usage) -> None:

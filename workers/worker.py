@@ -65,6 +65,7 @@ from workers.headroom import (
 from workers.puller import TierPuller
 from workers.pullplan import TierView, held_back, plan_pulls
 from workers.relay import ReplyRelay
+from workers.tracing import CallTrace
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class _Call:
     staged: StagedCall
     relay: ReplyRelay
     progress: asyncio.Task[None]
+    trace: CallTrace
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None
 
@@ -223,8 +225,11 @@ class Worker:
             now_s=now,
             policy=self.options.headroom,
         )
+        room = self._room() if chosen else None
         for staged in chosen:
             call = self._staged.pop(staged.key)
+            assert room is not None
+            call.trace.started(room.tokens, len(self._running) + 1, len(chosen))
             self._running[call.call_id] = call
             self._committed_tokens += staged.cost
             self.counters.max_committed_tokens = max(
@@ -321,18 +326,21 @@ class Worker:
         if call_id in self._running or call_id in self._staged:
             await msg.nak()  # a second delivery while the first is still here
             return
+        spans = CallTrace.arrived(msg, envelope, attempt, self.options.worker_id)
         if call_id in self._cancelled:
             self.counters.cancelled += 1
+            spans.refused("cancelled")
             await relay.fail(ErrorCode.CANCELLED, "the call was cancelled by its caller")
             await msg.term()
             return
         if time.time() * 1000 >= envelope.deadline_ms:
-            await self._deadline_passed(msg, relay)
+            await self._deadline_passed(msg, relay, spans)
             return
         request = EngineRequest(call_id, envelope.messages, envelope.sampling, tier.priority)
         try:
             prepared = self.engine.prepare(request)
         except EngineRequestError as exc:
+            spans.refused(exc.code.value)
             await relay.fail(exc.code, str(exc))
             await msg.term()
             return
@@ -342,11 +350,13 @@ class Worker:
         self._est_call_tokens += _COST_EWMA * (cost - self._est_call_tokens)
         staged = StagedCall(call_id, tier, cost, time.monotonic())
         progress = asyncio.create_task(self._keep_in_progress(msg))
-        self._staged[call_id] = _Call(msg, envelope, prepared, staged, relay, progress)
+        spans.staged(cost)
+        self._staged[call_id] = _Call(msg, envelope, prepared, staged, relay, progress, spans)
         self._changed.set()
 
-    async def _deadline_passed(self, msg: Msg, relay: ReplyRelay) -> None:
+    async def _deadline_passed(self, msg: Msg, relay: ReplyRelay, spans: CallTrace) -> None:
         self.counters.deadline_dropped += 1
+        spans.refused(ErrorCode.DEADLINE_EXCEEDED.value)
         await relay.fail(
             ErrorCode.DEADLINE_EXCEEDED, "the call's deadline passed before it started"
         )
@@ -357,7 +367,7 @@ class Worker:
         for call in [c for c in self._staged.values() if c.envelope.deadline_ms <= now_ms]:
             del self._staged[call.call_id]
             call.progress.cancel()
-            self._spawn(self._deadline_passed(call.msg, call.relay))
+            self._spawn(self._deadline_passed(call.msg, call.relay, call.trace))
 
     def _finished(self, call: _Call, _: object = None) -> None:
         self._running.pop(call.call_id, None)
@@ -368,32 +378,43 @@ class Worker:
     # -- one call ------------------------------------------------------------------------
 
     async def _generate(self, call: _Call) -> None:
-        relay, msg = call.relay, call.msg
+        relay, msg, spans = call.relay, call.msg, call.trace
+        queue_wait_ms: int | None = spans.queue_wait_ms()
         try:
             async for delta in self.engine.generate(call.prepared):
                 if delta.text or delta.new_tokens:
-                    await relay.token(delta.text, delta.new_tokens)
+                    if queue_wait_ms is not None:
+                        spans.first_token()
+                    await relay.token(delta.text, delta.new_tokens, queue_wait_ms)
+                    queue_wait_ms = None
                 if delta.finish_reason is not None:
                     usage = Usage(delta.prompt_tokens, delta.completion_tokens)
                     await relay.done(delta.finish_reason, usage)
+                    spans.finished(delta.finish_reason.value, usage)
             if not relay.finished:
                 raise EngineError("the engine ended the request without a finish reason")
             await msg.ack()
             self.counters.completed += 1
         except asyncio.CancelledError:
+            spans.stopped(call.stop_reason or _StopReason.DRAIN)
             await self._stopped(call)
         except EngineRequestError as exc:
+            spans.failed(exc)
             await relay.fail(exc.code, str(exc))
             await msg.term()
             self.counters.failed += 1
         except EngineDeadError as exc:
             # Hand the call back for another worker, then stop this one: nothing more can run.
             log.error("engine died: %s", exc)
+            spans.failed(exc)
             await msg.nak()
             self._fatal = exc
             self.request_stop()
         except EngineError as exc:
+            spans.failed(exc)
             await self._engine_failed(call, exc)
+        finally:
+            spans.end()
 
     async def _stopped(self, call: _Call) -> None:
         if call.stop_reason == _StopReason.CANCELLED:
@@ -441,6 +462,7 @@ class Worker:
         staged = self._staged.pop(call_id, None)
         if staged is not None:
             staged.progress.cancel()
+            staged.trace.refused("cancelled")
             self.counters.cancelled += 1
             await staged.relay.fail(ErrorCode.CANCELLED, "the call was cancelled by its caller")
             await staged.msg.term()
@@ -461,6 +483,7 @@ class Worker:
         await self._put_heartbeat(draining=True)
         for call in list(self._staged.values()):
             call.progress.cancel()
+            call.trace.refused("handed_back")
             self.counters.handed_back += 1
             await call.msg.nak()  # never started: hand back at once
         self._staged.clear()
