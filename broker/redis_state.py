@@ -151,14 +151,20 @@ elseif op == 'release' then
   end_lease(ARGV[4], ARGV[5])
   return redis.call('HGETALL', skey(ARGV[4]))
 elseif op == 'acquire' then
+  -- Answers the status followed by the session's fields, so the caller needs no second call.
   local id, call_id, call_deadline = ARGV[4], ARGV[5], tonumber(ARGV[6])
   local k = skey(id)
   if redis.call('EXISTS', k) == 0 then return {'not_found'} end
+  local function answer(status)
+    local out = redis.call('HGETALL', k)
+    table.insert(out, 1, status)
+    return out
+  end
   local f = redis.call('HMGET', k, 'state', 'max_parallel', 'deadline_ms', 'expires_ms')
-  if f[1] ~= 'active' then return {f[1]} end
+  if f[1] ~= 'active' then return answer(f[1]) end
   local slots = P .. ':slots:' .. id
   redis.call('ZREMRANGEBYSCORE', slots, '-inf', now)
-  if redis.call('ZCARD', slots) >= tonumber(f[2]) then return {'busy'} end
+  if redis.call('ZCARD', slots) >= tonumber(f[2]) then return answer('busy') end
   redis.call('ZADD', slots, call_deadline, call_id)
   local deadline = tonumber(f[3])
   redis.call('PEXPIRE', slots, deadline - now + 60000)
@@ -166,7 +172,7 @@ elseif op == 'acquire' then
   redis.call('HSET', k, 'expires_ms', expires)
   redis.call('HINCRBY', k, 'calls_started', 1)
   redis.call('ZADD', P .. ':expiry', 'XX', expires, id)
-  return {'acquired'}
+  return answer('acquired')
 elseif op == 'release_call' then
   local id, call_id = ARGV[4], ARGV[5]
   local slots = P .. ':slots:' .. id
@@ -296,10 +302,7 @@ class RedisAdmissionState:
         self, session_id: str, call_id: str, call_deadline_ms: int, now_ms: int
     ) -> tuple[SlotStatus, SessionRecord | None]:
         out = await self._call("acquire", now_ms, session_id, call_id, call_deadline_ms)
-        status = SlotStatus(out[0])
-        if status is SlotStatus.NOT_FOUND:
-            return status, None
-        return status, await self.get(session_id, now_ms)
+        return SlotStatus(out[0]), _from_fields(out[1:])
 
     async def release_call(self, session_id: str, call_id: str, now_ms: int) -> None:
         await self._call("release_call", now_ms, session_id, call_id)

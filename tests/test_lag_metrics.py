@@ -132,6 +132,15 @@ async def test_metrics_parse_and_move_when_calls_are_made(stack: Stack) -> None:
     assert value(after, tokens, tier="standard") == value(before, tokens, tier="standard") + 10
     ttft = "kvgate_ttft_seconds_count"
     assert value(after, ttft, tier="standard") == value(before, ttft, tier="standard") + 2
+    wait = "kvgate_queue_wait_seconds_count"
+    assert value(after, wait, tier="standard") == value(before, wait, tier="standard") + 2
+    admitted = {"tier": "standard", "decision": "admit", "reason": "admitted"}
+    decisions = "kvgate_admission_decisions_total"
+    assert value(after, decisions, **admitted) == value(before, decisions, **admitted) + 2
+    latency = "kvgate_admission_latency_seconds_count"
+    assert value(after, latency, scope="call") == value(before, latency, scope="call") + 2
+    assert value(after, "kvgate_ledger_written_total") >= 2
+    assert value(after, "kvgate_ledger_dropped_total") == 0
     assert value(after, "kvgate_workers_live") == 1
     assert ("kvgate_worker_running", (("worker", "w1"),)) in after
     assert ("kvgate_queue_pending", (("tier", "guaranteed"),)) in after

@@ -4,6 +4,7 @@ a real engine cannot be made to take on purpose, and the headroom invariant at s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from schemas.wire import (
     decode_event,
     encode,
 )
+from workers.engine import EngineStats
 from workers.headroom import HeadroomPolicy
 from workers.sim_engine import FAIL_MARKER, SimEngine, SimEngineConfig
 from workers.worker import Worker, WorkerOptions
@@ -294,3 +296,32 @@ async def test_staged_lower_tier_calls_do_not_keep_a_guaranteed_call_out(harness
     await asyncio.wait_for(urgent.ended.wait(), 5)
     for inbox in low:
         await asyncio.wait_for(inbox.ended.wait(), 30)
+
+
+class StaleStatsEngine(SimEngine):
+    """Reports the reading of a step that is long over, as vLLM does once it goes idle (it
+    reports scheduler stats only when it steps)."""
+
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(
+            super().stats(), kv_cache_usage=0.4, num_running=1, num_waiting=2
+        )
+
+
+async def test_an_idle_worker_reports_idle_whatever_its_engines_last_reading_said(
+    harness: Harness,
+) -> None:
+    worker = Worker(
+        StaleStatsEngine(SimEngineConfig(step_s=0.05)),
+        WorkerOptions(nats_url=harness.url, worker_id="stale", stream=STREAM),
+    )
+    assert worker.heartbeat().num_running == 0
+    idle = worker.heartbeat()
+    assert (idle.kv_cache_usage, idle.num_running, idle.num_waiting) == (0.0, 0, 0)
+    task = asyncio.create_task(worker.run())
+    harness.workers.append((worker, task))
+    inbox = await harness.send(call("busy", max_tokens=20))
+    await asyncio.wait_for(inbox.started.wait(), 10)
+    busy = worker.heartbeat()  # while its call runs, the engine's reading stands
+    assert (busy.kv_cache_usage, busy.num_running, busy.num_waiting) == (0.4, 1, 2)
+    await asyncio.wait_for(inbox.ended.wait(), 10)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -51,6 +52,7 @@ from workers.engine import (
     EngineError,
     EngineRequest,
     EngineRequestError,
+    EngineStats,
     PreparedRequest,
 )
 from workers.headroom import (
@@ -207,9 +209,19 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), self._next_wake_s())
 
+    def _engine_stats(self) -> EngineStats:
+        """The engine's reading, except that an engine running none of this worker's calls is
+        idle: vLLM reports stats only when it steps, so an idle engine goes on showing the
+        running count and KV usage of its last step (the warm-up's, or the end of a burst)
+        until it steps again. Every request the engine holds is one of this worker's calls."""
+        stats = self.engine.stats()
+        if self._running or not (stats.num_running or stats.num_waiting or stats.kv_cache_usage):
+            return stats
+        return dataclasses.replace(stats, kv_cache_usage=0.0, num_running=0, num_waiting=0)
+
     def _room(self) -> Headroom:
         return headroom(
-            self.engine.stats(),
+            self._engine_stats(),
             committed_tokens=self._committed_tokens,
             committed_seqs=len(self._running),
             policy=self.options.headroom,
@@ -503,7 +515,7 @@ class Worker:
     # -- heartbeat -----------------------------------------------------------------------
 
     def heartbeat(self, *, draining: bool = False) -> WorkerHeartbeat:
-        stats = self.engine.stats()
+        stats = self._engine_stats()
         return WorkerHeartbeat(
             worker_id=self.options.worker_id,
             model=self.engine.model_name,
