@@ -12,19 +12,20 @@ from fastapi import FastAPI
 from sqlalchemy.engine import make_url
 
 from api.admission import Admitter
+from api.batch_runner import BatchRunner
 from api.errors import install_error_handlers
 from api.metrics import FrontDoorMetrics
 from api.replies import ReplyRouter
-from api.routes import admin, chat, health, models, sessions
+from api.routes import admin, batches, chat, health, models, sessions
 from api.state import FrontDoor
 from api.tracing import RequestSpanMiddleware
 from broker.admission_state import AdmissionState, MemoryAdmissionState
 from broker.fleet import FleetView, FleetWatcher
-from broker.ledger import Ledger, engine_url
+from broker.ledger import Ledger, engine_url, make_engine
 from broker.publisher import CallPublisher
 from broker.redis_state import RedisAdmissionState
 from broker.settings import ApiSettings
-from broker.streams import provision_calls, workers_bucket
+from broker.streams import provision_calls, provision_results, workers_bucket
 from broker.telemetry import tracing_wanted
 from broker.tenants import load_tenancy
 
@@ -63,16 +64,24 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 shared=settings.redis_url is not None,
             )
             admitter.start(min(0.5, settings.heartbeat_max_age_s / 4))
+            await provision_results(js, settings.stream)
+            batch_engine = make_engine(settings.database_url)
+            publisher = CallPublisher(js)
+            runner = BatchRunner(settings, batch_engine, admitter, publisher, nc, js)
+            if settings.batch_runner:
+                runner.start()
             app.state.front_door = FrontDoor(
                 settings=settings,
                 nc=nc,
                 js=js,
-                publisher=CallPublisher(js),
+                publisher=publisher,
                 replies=replies,
                 fleet=fleet,
                 fleet_watcher=watcher,
                 metrics=metrics,
                 admitter=admitter,
+                batch_engine=batch_engine,
+                batch_runner=runner,
                 started_s=int(time.time()),
             )
             log.info(
@@ -82,6 +91,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 make_url(engine_url(settings.database_url)).render_as_string(),
             )
             yield
+            await runner.stop()
+            batch_engine.dispose()
             await admitter.stop()
             await state.close()
             await ledger.stop()
@@ -98,6 +109,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         app.add_middleware(RequestSpanMiddleware)
     app.include_router(chat.router)
     app.include_router(sessions.router)
+    app.include_router(batches.router)
     app.include_router(models.router)
     app.include_router(health.router)
     app.include_router(admin.router)

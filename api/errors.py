@@ -34,6 +34,7 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.TIER_NOT_ALLOWED: 403,
     ErrorCode.SESSION_NOT_FOUND: 404,
+    ErrorCode.BATCH_NOT_FOUND: 404,
     ErrorCode.SESSION_CLOSED: 409,
     ErrorCode.SESSION_EXPIRED: 410,
     ErrorCode.TENANT_QUOTA: 429,

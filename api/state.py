@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from sqlalchemy.engine import Engine
 
 from api.admission import Admitter
+from api.batch_runner import BatchRunner
 from api.metrics import FrontDoorMetrics
 from api.replies import ReplyRouter
 from broker.fleet import FleetView, FleetWatcher
@@ -26,4 +28,6 @@ class FrontDoor:
     fleet_watcher: FleetWatcher
     metrics: FrontDoorMetrics
     admitter: Admitter
+    batch_engine: Engine
+    batch_runner: BatchRunner
     started_s: int

@@ -113,6 +113,11 @@ class AdmissionState(Protocol):
 
     async def release_call(self, session_id: str, call_id: str, now_ms: int) -> None: ...
 
+    async def touch(self, session_id: str, now_ms: int) -> None:
+        """Keep an active session from idling out for another ``idle_timeout`` (a holder whose
+        calls do not pass through call slots: the batch runner)."""
+        ...
+
     async def sweep(self, now_ms: int) -> int:
         """Release every lease past its expiry; returns how many."""
         ...
@@ -249,6 +254,17 @@ class MemoryAdmissionState:
             self._records[session_id] = replace(
                 record, expires_ms=min(record.deadline_ms, idle_from)
             )
+
+    async def touch(self, session_id: str, now_ms: int) -> None:
+        async with self._lock:
+            self._sweep(now_ms)
+            record = self._records.get(session_id)
+            if record is None or session_id not in self._leases:
+                return
+            expires = min(
+                record.deadline_ms, max(record.expires_ms, now_ms + record.idle_timeout_ms)
+            )
+            self._records[session_id] = replace(record, expires_ms=expires)
 
     async def sweep(self, now_ms: int) -> int:
         async with self._lock:

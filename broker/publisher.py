@@ -16,16 +16,23 @@ from schemas.wire import STREAM_NAME, WIRE_VERSION, CallEnvelope, Header, encode
 _STREAM_FULL_CODES = frozenset({10077, 10047, 10028})
 
 
-def call_headers(call: CallEnvelope, reply_inbox: str) -> dict[str, str]:
-    return {
+def call_headers(
+    call: CallEnvelope, reply_inbox: str | None, result_subject: str | None = None
+) -> dict[str, str]:
+    """A call has a reply inbox (interactive) or a result subject (batch), not both."""
+    headers = {
         Header.CALL: call.call_id,
         Header.MSG_ID: call.call_id,
         Header.SESSION: call.session_id,
         Header.TIER: call.tier.value,
         Header.DEADLINE: str(call.deadline_ms),
-        Header.REPLY: reply_inbox,
         Header.VERSION: str(WIRE_VERSION),
     }
+    if reply_inbox is not None:
+        headers[Header.REPLY] = reply_inbox
+    if result_subject is not None:
+        headers[Header.RESULT] = result_subject
+    return headers
 
 
 class CallPublisher:
@@ -36,10 +43,11 @@ class CallPublisher:
     async def publish(
         self,
         call: CallEnvelope,
-        reply_inbox: str,
+        reply_inbox: str | None,
         *,
         now_ms: int,
         trace_headers: Mapping[str, str] | None = None,
+        result_subject: str | None = None,
     ) -> int:
         """Queue ``call`` and return its stream sequence.
 
@@ -58,7 +66,10 @@ class CallPublisher:
                 encode(call),
                 timeout=self._timeout,
                 stream=STREAM_NAME,
-                headers={**call_headers(call, reply_inbox), **(trace_headers or {})},
+                headers={
+                    **call_headers(call, reply_inbox, result_subject),
+                    **(trace_headers or {}),
+                },
                 msg_ttl=ttl_s,
             )
         except APIError as exc:

@@ -187,6 +187,15 @@ elseif op == 'release_call' then
   redis.call('HSET', k, 'expires_ms', expires)
   redis.call('ZADD', P .. ':expiry', 'XX', expires, id)
   return 1
+elseif op == 'touch' then
+  local id = ARGV[4]
+  if not redis.call('HGET', P .. ':leases', id) then return 0 end
+  local k = skey(id)
+  local f = redis.call('HMGET', k, 'deadline_ms', 'idle_timeout_ms', 'expires_ms')
+  local expires = math.min(tonumber(f[1]), math.max(tonumber(f[3]), now + tonumber(f[2])))
+  redis.call('HSET', k, 'expires_ms', expires)
+  redis.call('ZADD', P .. ':expiry', 'XX', expires, id)
+  return 1
 elseif op == 'reserved' then
   local sum = 0
   for _, t in ipairs(TIERS) do sum = sum + total('tier:' .. t) end
@@ -306,6 +315,9 @@ class RedisAdmissionState:
 
     async def release_call(self, session_id: str, call_id: str, now_ms: int) -> None:
         await self._call("release_call", now_ms, session_id, call_id)
+
+    async def touch(self, session_id: str, now_ms: int) -> None:
+        await self._call("touch", now_ms, session_id)
 
     async def sweep(self, now_ms: int) -> int:
         return int(await self._call("sweep", now_ms))

@@ -77,6 +77,14 @@ class ApiSettings(BaseSettings):
     session_default_idle_timeout_s: float = Field(default=60.0, gt=0)
     session_default_prompt_tokens: int = Field(default=512, ge=1)
     session_default_output_tokens: int = Field(default=256, ge=1)
+    # Batches: how often the runner looks for work to start, and how long a front door may be
+    # silent before another takes over the batches it was running.
+    # Off: this front door accepts and serves batches but leaves running them and collecting
+    # their results to the other front doors on the same database.
+    batch_runner: bool = True
+    batch_tick_s: float = Field(default=0.5, gt=0)
+    batch_runner_stale_s: float = Field(default=30.0, gt=0)
+    batch_max_lines: int = Field(default=50_000, ge=1)
     stream: StreamSettings = Field(default_factory=StreamSettings)
 
 

@@ -6,6 +6,10 @@
   of silently pushing out older calls).
 - One durable pull consumer per tier, shared by every worker; explicit ack.
 - KV bucket ``KVGATE_WORKERS`` for worker heartbeats, with a TTL.
+- Stream ``KVGATE_RESULTS`` on ``kvgate.results.<batch id>``: batch call results, work-queue
+  retention (removed once the collector has written them to the database and acked), file
+  storage, deduplicated by ``Nats-Msg-Id``; kept at most 7 days if never collected.
+- Durable pull consumer ``kvgate-collector`` on it, shared by every front door.
 """
 
 from __future__ import annotations
@@ -19,7 +23,13 @@ from nats.js.kv import KeyValue
 
 from broker.settings import StreamSettings
 from schemas.vocab import TIERS_BY_PRIORITY, Tier
-from schemas.wire import CALL_SUBJECT_PREFIX, STREAM_NAME, WORKERS_BUCKET
+from schemas.wire import (
+    CALL_SUBJECT_PREFIX,
+    RESULT_SUBJECT_PREFIX,
+    RESULTS_STREAM,
+    STREAM_NAME,
+    WORKERS_BUCKET,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +64,54 @@ def consumer_config(tier: Tier, settings: StreamSettings) -> js_api.ConsumerConf
     )
 
 
-async def provision_calls(js: JetStreamContext, settings: StreamSettings) -> None:
-    """Create the stream and tier consumers, or bring existing ones to ``settings``."""
-    config = stream_config(settings)
+async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig) -> None:
     try:
-        await js.stream_info(STREAM_NAME)
+        await js.stream_info(str(config.name))
     except NotFoundError:
         await js.add_stream(config)
-        log.info("created stream %s", STREAM_NAME)
+        log.info("created stream %s", config.name)
     else:
         await js.update_stream(config)
+
+
+async def provision_calls(js: JetStreamContext, settings: StreamSettings) -> None:
+    """Create the stream and tier consumers, or bring existing ones to ``settings``."""
+    await _ensure_stream(js, stream_config(settings))
     for tier in TIERS_BY_PRIORITY:
         # Creating a durable with the same name acts as create-or-update on the server.
         await js.add_consumer(STREAM_NAME, consumer_config(tier, settings))
+
+
+COLLECTOR = "kvgate-collector"
+
+
+def results_config(settings: StreamSettings) -> js_api.StreamConfig:
+    return js_api.StreamConfig(
+        name=RESULTS_STREAM,
+        description="kvgate batch call results, until collected into the database",
+        subjects=[f"{RESULT_SUBJECT_PREFIX}*"],
+        retention=js_api.RetentionPolicy.WORK_QUEUE,
+        storage=js_api.StorageType.FILE,
+        num_replicas=settings.replicas,
+        max_age=7 * 24 * 3600.0,
+        duplicate_window=settings.duplicate_window_s,
+    )
+
+
+async def provision_results(js: JetStreamContext, settings: StreamSettings) -> None:
+    await _ensure_stream(js, results_config(settings))
+    await js.add_consumer(
+        RESULTS_STREAM,
+        js_api.ConsumerConfig(
+            durable_name=COLLECTOR,
+            description="kvgate front doors writing batch results to the database",
+            deliver_policy=js_api.DeliverPolicy.ALL,
+            ack_policy=js_api.AckPolicy.EXPLICIT,
+            ack_wait=30.0,
+            max_ack_pending=10_000,
+            num_replicas=settings.replicas,
+        ),
+    )
 
 
 async def workers_bucket(js: JetStreamContext, settings: StreamSettings) -> KeyValue:

@@ -151,6 +151,11 @@ class Tenancy:
         except (OSError, tomllib.TOMLDecodeError, ValidationError, ValueError) as exc:
             raise ValueError(f"tenants file {path}: {exc}") from exc
 
+    def by_id(self, tenant_id: str) -> Tenant | None:
+        if self.open_tenant is not None:
+            return self.open_tenant if tenant_id == self.open_tenant.id else None
+        return next((t for t in self._by_hash.values() if t.id == tenant_id), None)
+
     def authenticate(self, key: str | None) -> Tenant | None:
         if self.open_tenant is not None:
             return self.open_tenant

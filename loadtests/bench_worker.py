@@ -285,6 +285,15 @@ async def run_burst(stack: KvgateStack) -> dict[str, Any]:
     }
 
 
+def ensure_model(given: str | None, root: Path) -> Path:
+    """The model directory given, or the dev model built under ``root``."""
+    if given:
+        return Path(given)
+    model = root / "model"
+    subprocess.run([sys.executable, "-m", "broker.cli", "model", "build", str(model)], check=True)
+    return model
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=64)
@@ -309,11 +318,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
         root = Path(tmp)
-        model = Path(args.model) if args.model else root / "model"
-        if not args.model:
-            subprocess.run(
-                [sys.executable, "-m", "broker.cli", "model", "build", str(model)], check=True
-            )
+        model = ensure_model(args.model, root)
         print("direct engine ...", flush=True)
         out = subprocess.run(
             [sys.executable, "-m", "loadtests.bench_worker", "--direct-only", "--model",

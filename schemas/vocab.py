@@ -61,6 +61,7 @@ class ErrorCode(enum.StrEnum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     TIER_NOT_ALLOWED = "tier_not_allowed"
     SESSION_NOT_FOUND = "session_not_found"
+    BATCH_NOT_FOUND = "batch_not_found"
     SESSION_CLOSED = "session_closed"
     SESSION_EXPIRED = "session_expired"
     # Admission refusals (HTTP 429/503): the values of ``Reason`` other than ``admitted``.

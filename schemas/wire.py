@@ -26,6 +26,8 @@ STREAM_NAME: Final = "KVGATE_CALLS"
 CALL_SUBJECT_PREFIX: Final = "kvgate.calls."
 CANCEL_SUBJECT_PREFIX: Final = "kvgate.cancel."
 WORKERS_BUCKET: Final = "KVGATE_WORKERS"
+RESULTS_STREAM: Final = "KVGATE_RESULTS"
+RESULT_SUBJECT_PREFIX: Final = "kvgate.results."
 
 
 class Header:
@@ -37,6 +39,9 @@ class Header:
     DEADLINE: Final = "Kvgate-Deadline"
     REPLY: Final = "Kvgate-Reply"
     VERSION: Final = "Kvgate-Wire"
+    RESULT: Final = "Kvgate-Result"
+    """Batch calls: the durable subject the worker publishes the call's one result to (the
+    call then has no reply inbox and no token events)."""
     MSG_ID: Final = "Nats-Msg-Id"
     TTL: Final = "Nats-TTL"
 
@@ -131,10 +136,25 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True):
     handed_back: int = 0
 
 
+class CallResult(msgspec.Struct, frozen=True):
+    """A batch call's outcome, published once per attempt to ``kvgate.results.<batch id>`` on
+    the durable ``KVGATE_RESULTS`` stream (``Nats-Msg-Id`` = call id and attempt). Exactly one
+    of ``text``/``error_code`` is set."""
+
+    call_id: str
+    attempt: int
+    text: str | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error_code: ErrorCode | None = None
+    error_message: str | None = None
+
+
 _call_encoder = msgspec.msgpack.Encoder()
 _call_decoder = msgspec.msgpack.Decoder(CallEnvelope)
 _event_decoder = msgspec.msgpack.Decoder(ReplyEvent)
 _heartbeat_decoder = msgspec.msgpack.Decoder(WorkerHeartbeat)
+_result_decoder = msgspec.msgpack.Decoder(CallResult)
 
 
 def encode(value: msgspec.Struct) -> bytes:
@@ -152,3 +172,7 @@ def decode_event(data: bytes) -> TokenDelta | Done | Failed:
 
 def decode_heartbeat(data: bytes) -> WorkerHeartbeat:
     return _heartbeat_decoder.decode(data)
+
+
+def decode_result(data: bytes) -> CallResult:
+    return _result_decoder.decode(data)

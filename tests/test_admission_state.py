@@ -252,3 +252,17 @@ async def test_redis_unreachable_is_admission_unavailable() -> None:
             await store.reserve(request(replace(session("s"))), T0)
     finally:
         await store.close()
+
+
+async def test_touch_keeps_an_active_session_from_idling_out(store: AdmissionState) -> None:
+    await store.reserve(request(session("s", idle_s=10, deadline_s=30)), T0)
+    await store.touch("s", T0 + 8_000)
+    assert await store.sweep(T0 + 12_000) == 0  # idle would have ended it at 10 s
+    await store.touch("s", T0 + 17_000)
+    await store.touch("s", T0 + 25_000)
+    record = await store.get("s", T0 + 25_001)
+    assert record is not None and record.expires_ms == T0 + 30_000  # never past the deadline
+    assert await store.sweep(T0 + 30_000) == 1
+    await store.touch("s", T0 + 30_001)  # an ended session stays ended
+    ended = await store.get("s", T0 + 30_002)
+    assert ended is not None and ended.state is SessionState.EXPIRED

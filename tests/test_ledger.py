@@ -46,12 +46,14 @@ def test_migrations_create_the_schema_and_are_idempotent(database_url: str) -> N
     try:
         inspector = inspect(engine)
         columns = {c["name"] for c in inspector.get_columns("admission_decisions")}
+        tables = set(inspector.get_table_names())
         with engine.connect() as conn:
             version = conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
     finally:
         engine.dispose()
     assert {"tenant", "tier", "decision", "reason", "signals", "latency_us"} <= columns
-    assert version == "0001"
+    assert version == "0002"  # the head revision
+    assert {"admission_decisions", "batches", "batch_lines"} <= tables
 
 
 async def test_decisions_are_written_in_the_background_with_their_signals(

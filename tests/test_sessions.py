@@ -19,8 +19,8 @@ from broker.natsserver import EmbeddedNats
 from broker.tenants import hash_key
 from tests.polling import poll_until
 from tests.procs import start_api
+from tests.simworker import sim_worker
 from workers.sim_engine import SimEngine, SimEngineConfig
-from workers.worker import Worker, WorkerOptions
 
 MODEL = "kvgate-sim"
 ACME, SMALL, CHEAP = "acme-key", "small-key", "cheap-key"
@@ -84,25 +84,10 @@ async def door(
         KVGATE_DATABASE_URL=f"sqlite:///{ledger}",
     )
     engine = SimEngine(SimEngineConfig(step_s=0.004, kv_capacity_tokens=KV_TOKENS))
-    worker = Worker(
-        engine,
-        WorkerOptions(
-            nats_url=nats_server.url,
-            worker_id="sim-1",
-            pull_expires_s=2,
-            heartbeat_interval_s=0.3,
-        ),
-    )
-    task = asyncio.create_task(worker.run())
     try:
-        async with httpx.AsyncClient(base_url=base) as client:
-            await poll_until(
-                lambda: client.get("/readyz"), lambda r: r.status_code == 200, timeout_s=20
-            )
-        yield Door(base, engine, ledger)
+        async with sim_worker(engine, nats_server.url, "sim-1", ready_at=base):
+            yield Door(base, engine, ledger)
     finally:
-        worker.request_stop()
-        await asyncio.wait_for(task, 15)
         proc.stop()
 
 

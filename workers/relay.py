@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from nats.aio.client import Client as NATS
 
 from schemas.vocab import ErrorCode, FinishReason
 from schemas.wire import Done, Failed, TokenDelta, Usage, encode
+
+
+class Relay(Protocol):
+    """Where a call's events go: a caller's inbox (``ReplyRelay``) or, for a batch call, one
+    durable result (``workers.result_relay.ResultRelay``)."""
+
+    tokens_sent: int
+    finished: bool
+
+    async def token(self, text: str, tokens: int, queue_wait_ms: int | None = None) -> None: ...
+
+    async def done(self, finish_reason: FinishReason, usage: Usage) -> None: ...
+
+    async def fail(self, code: ErrorCode, message: str) -> None: ...
 
 
 class ReplyRelay:

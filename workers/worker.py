@@ -35,7 +35,7 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
 from broker.settings import StreamSettings
-from broker.streams import provision_calls, workers_bucket
+from broker.streams import provision_calls, provision_results, workers_bucket
 from schemas.vocab import TIERS_BY_PRIORITY, ErrorCode, Tier
 from schemas.wire import (
     CANCEL_SUBJECT_PREFIX,
@@ -66,7 +66,8 @@ from workers.headroom import (
 )
 from workers.puller import TierPuller
 from workers.pullplan import TierView, held_back, plan_pulls
-from workers.relay import ReplyRelay
+from workers.relay import Relay, ReplyRelay
+from workers.result_relay import ResultRelay
 from workers.tracing import CallTrace
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class _Call:
     envelope: CallEnvelope
     prepared: PreparedRequest
     staged: StagedCall
-    relay: ReplyRelay
+    relay: Relay
     progress: asyncio.Task[None]
     trace: CallTrace
     task: asyncio.Task[None] | None = None
@@ -169,6 +170,7 @@ class Worker:
         try:
             js = self.nc.jetstream()
             await provision_calls(js, self.options.stream)
+            await provision_results(js, self.options.stream)
             self._kv = await workers_bucket(js, self.options.stream)
             cancel_sub = await self.nc.subscribe(f"{CANCEL_SUBJECT_PREFIX}*", cb=self._on_cancel)
             for tier in TIERS_BY_PRIORITY:
@@ -322,18 +324,28 @@ class Worker:
     async def _arrive(self, tier: Tier, msg: Msg) -> None:
         headers = msg.headers or {}
         inbox = headers.get(Header.REPLY)
+        result_subject = headers.get(Header.RESULT)
         attempt = int(msg.metadata.num_delivered or 1)
-        if not inbox:
-            log.error("call without a %s header; terminating it", Header.REPLY)
+        if not inbox and not result_subject:
+            log.error("call with neither %s nor %s; terminating it", Header.REPLY, Header.RESULT)
             await msg.term()
             return
-        relay = ReplyRelay(self.nc, inbox, attempt)
         try:
             envelope = decode_call(msg.data)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            await relay.fail(ErrorCode.INTERNAL_ERROR, f"malformed call message: {exc}")
+            log.error("malformed call message, terminated: %s", exc)
+            if inbox:
+                await ReplyRelay(self.nc, inbox, attempt).fail(
+                    ErrorCode.INTERNAL_ERROR, f"malformed call message: {exc}"
+                )
             await msg.term()
             return
+        relay: Relay
+        if result_subject:
+            relay = ResultRelay(self.nc.jetstream(), result_subject, envelope.call_id, attempt)
+        else:
+            assert inbox is not None
+            relay = ReplyRelay(self.nc, inbox, attempt)
         call_id = envelope.call_id
         if call_id in self._running or call_id in self._staged:
             await msg.nak()  # a second delivery while the first is still here
@@ -366,7 +378,7 @@ class Worker:
         self._staged[call_id] = _Call(msg, envelope, prepared, staged, relay, progress, spans)
         self._changed.set()
 
-    async def _deadline_passed(self, msg: Msg, relay: ReplyRelay, spans: CallTrace) -> None:
+    async def _deadline_passed(self, msg: Msg, relay: Relay, spans: CallTrace) -> None:
         self.counters.deadline_dropped += 1
         spans.refused(ErrorCode.DEADLINE_EXCEEDED.value)
         await relay.fail(

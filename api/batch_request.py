@@ -1,0 +1,182 @@
+"""Turn a batch submission (a JSON body or a JSONL upload) into validated lines, reporting each
+bad line with its number, ``custom_id`` and reason instead of refusing the whole batch."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from api.chat_request import parse_chat_request, parse_json_object
+from broker.errors import InvalidRequest, KvgateError
+from broker.settings import ApiSettings
+from schemas.vocab import ErrorCode, Tier
+
+JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/x-jsonlines")
+CHAT_URL = "/v1/chat/completions"
+MIN_WINDOW_S, MAX_WINDOW_S = 3600, 24 * 3600
+_WINDOW = re.compile(r"^(\d+)(h|m)$")
+
+
+@dataclass(frozen=True, slots=True)
+class LineError:
+    line: int
+    custom_id: str | None
+    code: str
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "line": self.line,
+            "custom_id": self.custom_id,
+            "code": self.code,
+            "message": self.message,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedLine:
+    line: int
+    custom_id: str
+    session_key: str
+    parallel: bool
+    body: dict[str, Any]
+    error: LineError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSubmission:
+    completion_window_s: int
+    tier: Tier | None
+    metadata: dict[str, Any]
+    lines: list[ParsedLine]
+
+    @property
+    def errors(self) -> list[LineError]:
+        return [line.error for line in self.lines if line.error is not None]
+
+
+def completion_window_s(raw: object) -> int:
+    match = _WINDOW.match(str(raw)) if isinstance(raw, str) else None
+    seconds = 0
+    if match:
+        seconds = int(match.group(1)) * (3600 if match.group(2) == "h" else 60)
+    if not MIN_WINDOW_S <= seconds <= MAX_WINDOW_S:
+        raise InvalidRequest(
+            ErrorCode.INVALID_PARAMETER,
+            "completion_window must be between '1h' and '24h' (for example '24h' or '90m')",
+            param="completion_window",
+        )
+    return seconds
+
+
+def batch_tier(raw: object) -> Tier | None:
+    if raw is None:
+        return None
+    try:
+        return Tier(str(raw).strip().lower())
+    except ValueError:
+        names = ", ".join(t.value for t in Tier)
+        raise InvalidRequest(
+            ErrorCode.INVALID_TIER, f"unknown tier {raw!r}; tiers are {names}", param="tier"
+        ) from None
+
+
+def parse_submission(request: Request, body: bytes, settings: ApiSettings) -> BatchSubmission:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    params = request.query_params
+    if content_type in JSONL_TYPES:
+        raw_lines: list[object] = []
+        for text in body.decode("utf-8", errors="replace").split("\n"):
+            raw_lines.append(text)
+        options: dict[str, Any] = dict(params)
+        metadata: dict[str, Any] = {}
+    else:
+        obj = parse_json_object(body)
+        requests = obj.get("requests")
+        if not isinstance(requests, list):
+            raise InvalidRequest(
+                ErrorCode.INVALID_REQUEST,
+                "'requests' must be a list of batch lines (or upload JSONL with "
+                "content-type application/jsonl)",
+                param="requests",
+            )
+        raw_lines = list(requests)
+        options = {**dict(params), **obj}
+        metadata = obj.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise InvalidRequest(
+                ErrorCode.INVALID_PARAMETER, "metadata must be an object", param="metadata"
+            )
+    window = completion_window_s(options.get("completion_window", "24h"))
+    tier = batch_tier(options.get("tier"))
+    lines: list[ParsedLine] = []
+    seen: set[str] = set()
+    number = 0
+    for raw in raw_lines:
+        if isinstance(raw, str) and not raw.strip():
+            continue  # blank lines of a JSONL file
+        number += 1
+        lines.append(_parse_line(number, raw, seen, settings))
+    if not lines:
+        raise InvalidRequest(ErrorCode.INVALID_REQUEST, "the batch has no lines")
+    if len(lines) > settings.batch_max_lines:
+        raise InvalidRequest(
+            ErrorCode.INVALID_REQUEST,
+            f"a batch may have at most {settings.batch_max_lines} lines",
+        )
+    return BatchSubmission(window, tier, metadata, lines)
+
+
+def _parse_line(number: int, raw: object, seen: set[str], settings: ApiSettings) -> ParsedLine:
+    custom_id: str | None = None
+
+    def bad(code: ErrorCode, message: str) -> ParsedLine:
+        error = LineError(number, custom_id, code.value, message)
+        cid = custom_id if custom_id is not None and custom_id not in seen else None
+        key = cid or f"__invalid_line_{number}"
+        seen.add(key)
+        return ParsedLine(number, key, key, False, {}, error)
+
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            return bad(ErrorCode.INVALID_JSON, f"line is not valid JSON: {exc}")
+    if not isinstance(raw, dict):
+        return bad(ErrorCode.INVALID_REQUEST, "a line must be a JSON object")
+    cid = raw.get("custom_id")
+    if not isinstance(cid, str) or not 0 < len(cid) <= 255:
+        return bad(ErrorCode.INVALID_PARAMETER, "custom_id must be a string of 1-255 characters")
+    custom_id = cid
+    if cid in seen:
+        custom_id = cid
+        error = LineError(number, cid, ErrorCode.INVALID_PARAMETER.value, "duplicate custom_id")
+        key = f"__duplicate_line_{number}"
+        seen.add(key)
+        return ParsedLine(number, key, key, False, {}, error)
+    seen.add(cid)
+    url = raw.get("url", CHAT_URL)
+    if url != CHAT_URL:
+        return _invalid(number, cid, ErrorCode.INVALID_PARAMETER, f"url must be {CHAT_URL}")
+    session = raw.get("session", cid)
+    if not isinstance(session, str) or not 0 < len(session) <= 255:
+        return _invalid(number, cid, ErrorCode.INVALID_PARAMETER, "session must be a string")
+    body = raw.get("body")
+    if not isinstance(body, dict):
+        return _invalid(number, cid, ErrorCode.INVALID_REQUEST, "body must be a JSON object")
+    try:
+        chat = parse_chat_request(json.dumps(body).encode(), settings)
+    except KvgateError as exc:
+        return _invalid(number, cid, exc.code, exc.message)
+    if chat.stream:
+        return _invalid(number, cid, ErrorCode.UNSUPPORTED_PARAMETER, "stream is not allowed")
+    return ParsedLine(number, cid, session, bool(raw.get("parallel", False)), body)
+
+
+def _invalid(number: int, custom_id: str, code: ErrorCode, message: str) -> ParsedLine:
+    error = LineError(number, custom_id, code.value, message)
+    return ParsedLine(number, custom_id, custom_id, False, {}, error)

@@ -1,0 +1,379 @@
+"""Run batches in the background of every front door, and collect their results.
+
+- **Runner.** Each tick it claims the unfinished batches nobody else runs (a front door that
+  stops renewing its claim for ``batch_runner_stale_s`` loses them to the next one), and for
+  each session of each batch: admits it through the same session admission as interactive
+  traffic (a deferred session is retried by kvgate after its ``Retry-After``, never bounced to
+  the caller), publishes the lines that may start (a session's lines run in order; a line
+  marked ``parallel`` starts alongside the one before it), keeps the session's lease alive,
+  and closes it when the session's lines are all done. Lines carry the batch's deadline (the
+  end of its completion window) and no reply inbox: the worker publishes one durable result.
+- **Collector.** A durable consumer on ``KVGATE_RESULTS``, shared by every front door, writes
+  each result to its line in the database, then acks it. A result is acked only after its
+  write committed, so a crash loses nothing; the write is conditional, so a duplicate changes
+  nothing.
+
+Batch calls are best-effort by default and go through the same worker pull policy, so they
+soak up idle capacity without pushing interactive tiers out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from sqlalchemy.engine import Engine
+
+from api.admission import Admitter
+from api.chat_request import parse_chat_request, to_envelope
+from broker import batches as store
+from broker.admission import SessionNeed
+from broker.batches import BatchRow, BatchStatus, LineRow, LineStatus
+from broker.errors import KvgateError, Refused, RetryableError
+from broker.ledger import utcnow
+from broker.publisher import CallPublisher
+from broker.settings import ApiSettings
+from broker.streams import COLLECTOR
+from schemas.vocab import ErrorCode, SessionState, Tier
+from schemas.wire import (
+    CANCEL_SUBJECT_PREFIX,
+    RESULT_SUBJECT_PREFIX,
+    RESULTS_STREAM,
+    CallResult,
+    decode_result,
+)
+
+log = logging.getLogger(__name__)
+
+# Lines still running this long after their batch's window closed are given up as expired
+# (their calls' TTLs have dropped them from the queue by then).
+EXPIRY_GRACE_S = 30.0
+
+
+@dataclass
+class _SessionRun:
+    lease: str | None = None
+    retry_at: float = 0.0
+
+
+def runnable(lines: list[LineRow]) -> list[LineRow]:
+    """The pending lines of one session (in line order) that may start now: a line waits for
+    every earlier line, except that a ``parallel`` line does not wait for the line before it
+    (nor for the parallel run it belongs to)."""
+    out: list[LineRow] = []
+    for i, line in enumerate(lines):
+        if line.status != LineStatus.PENDING.value:
+            continue
+        start = i
+        while start > 0 and lines[start].parallel:
+            start -= 1
+        if all(lines[j].terminal for j in range(start)):
+            out.append(line)
+    return out
+
+
+def widest_group(lines: list[LineRow]) -> int:
+    width = best = 0
+    for line in lines:
+        width = width + 1 if line.parallel else 1
+        best = max(best, width)
+    return max(best, 1)
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        settings: ApiSettings,
+        engine: Engine,
+        admitter: Admitter,
+        publisher: CallPublisher,
+        nc: NATS,
+        js: JetStreamContext,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.admitter = admitter
+        self.publisher = publisher
+        self.nc = nc
+        self.js = js
+        self.runner_id = f"{admitter.replica}-{uuid.uuid4().hex[:6]}"
+        self._sessions: dict[tuple[str, str], _SessionRun] = defaultdict(_SessionRun)
+        self._cancel_sent: set[str] = set()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._run_loop()),
+            asyncio.create_task(self._collect_loop()),
+        ]
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    # -- runner ------------------------------------------------------------------------
+
+    async def _run_loop(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("batch runner tick failed; retrying")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.batch_tick_s)
+
+    async def tick(self) -> None:
+        now = utcnow()
+        owned = await asyncio.to_thread(
+            store.claim_batches,
+            self.engine,
+            self.runner_id,
+            now,
+            self.settings.batch_runner_stale_s,
+        )
+        for batch in owned:
+            await self._advance(batch, now)
+
+    async def _advance(self, batch: BatchRow, now: datetime) -> None:
+        lines = await asyncio.to_thread(store.lines_of, self.engine, batch.id)
+        if batch.cancel_requested:
+            await self._cancel(batch, lines, now)
+            return
+        if now >= batch.expires_at:
+            grace = (now - batch.expires_at).total_seconds() > EXPIRY_GRACE_S
+            changed = await asyncio.to_thread(
+                store.end_open_lines,
+                self.engine,
+                batch.id,
+                LineStatus.EXPIRED,
+                ErrorCode.DEADLINE_EXCEEDED.value,
+                now,
+                only_pending=not grace,
+            )
+            if changed:
+                lines = await asyncio.to_thread(store.lines_of, self.engine, batch.id)
+        sessions: dict[str, list[LineRow]] = defaultdict(list)
+        for line in lines:
+            sessions[line.session_key].append(line)
+        for key, session_lines in sessions.items():
+            await self._advance_session(batch, key, session_lines, now)
+        if all(line.terminal for line in lines):
+            expired = any(line.status == LineStatus.EXPIRED.value for line in lines)
+            final = BatchStatus.EXPIRED if expired else BatchStatus.COMPLETED
+            await asyncio.to_thread(store.set_status, self.engine, batch.id, final, now)
+            log.info("batch %s %s", batch.id, final.value)
+
+    async def _advance_session(
+        self, batch: BatchRow, key: str, lines: list[LineRow], now: datetime
+    ) -> None:
+        run = self._sessions[(batch.id, key)]
+        if all(line.terminal for line in lines):
+            await self._end_lease(batch.id, key)
+            return
+        start = runnable(lines)
+        if run.lease is not None:
+            await self.admitter.store_for(run.lease).touch(run.lease, int(time.time() * 1000))
+        if not start:
+            return
+        if run.lease is None and not await self._admit(batch, run, lines, now):
+            return
+        assert run.lease is not None
+        started: list[int] = []
+        started_at = utcnow()
+        for line in start:
+            try:
+                await self._publish(batch, line, run.lease)
+            except KvgateError as exc:
+                log.warning("batch %s line %d not queued yet: %s", batch.id, line.line_no, exc)
+                break
+            started.append(line.id)
+        if started:
+            await asyncio.to_thread(store.mark_started, self.engine, started, started_at)
+
+    async def _admit(
+        self, batch: BatchRow, run: _SessionRun, lines: list[LineRow], now: datetime
+    ) -> bool:
+        if time.monotonic() < run.retry_at:
+            return False
+        tenant = self.admitter.tenancy.by_id(batch.tenant)
+        if tenant is None:
+            await self._fail_lines(lines, ErrorCode.UNAUTHORIZED, "the tenant no longer exists")
+            return False
+        left_s = (batch.expires_at - now).total_seconds()
+        max_tokens = max(
+            int(line.body.get("max_completion_tokens") or line.body.get("max_tokens") or 0)
+            or self.settings.default_max_tokens
+            for line in lines
+        )
+        prompt = max(_prompt_tokens(line.body) for line in lines)
+        need = SessionNeed(
+            tier=Tier(batch.tier),
+            max_parallel=widest_group(lines),
+            expected_calls=len(lines),
+            est_prompt_tokens=prompt,
+            est_output_tokens=max_tokens,
+            deadline_s=max(1.0, left_s),
+        )
+        try:
+            admitted = await self.admitter.admit(
+                tenant,
+                need,
+                scope="batch",
+                idle_timeout_s=max(60.0, 4 * self.settings.batch_tick_s),
+                metadata={"batch": batch.id},
+            )
+        except Refused as exc:
+            if exc.retry_after is None:  # waiting cannot help (the deadline is infeasible)
+                await self._fail_lines(lines, exc.code, exc.message)
+                return False
+            run.retry_at = time.monotonic() + exc.retry_after
+            return False
+        except RetryableError as exc:
+            run.retry_at = time.monotonic() + (exc.retry_after or 5)
+            return False
+        run.lease = admitted.record.id
+        return True
+
+    async def _publish(self, batch: BatchRow, line: LineRow, lease: str) -> None:
+        chat = parse_chat_request(msgspec.json.encode(line.body), self.settings)
+        left_s = max(0.001, (batch.expires_at - utcnow()).total_seconds())
+        call = to_envelope(
+            chat, self.settings, tier=Tier(batch.tier), timeout_s=left_s, session_id=lease
+        )
+        call = msgspec.structs.replace(call, call_id=line.call_id)
+        await self.publisher.publish(
+            call,
+            None,
+            now_ms=int(time.time() * 1000),
+            result_subject=f"{RESULT_SUBJECT_PREFIX}{batch.id}",
+        )
+
+    async def _fail_lines(self, lines: list[LineRow], code: ErrorCode, message: str) -> None:
+        outcomes = [
+            (line.call_id, LineStatus.FAILED, _error(code.value, message), code.value)
+            for line in lines
+            if not line.terminal
+        ]
+        await asyncio.to_thread(store.finish_lines, self.engine, outcomes, utcnow())
+
+    async def _end_lease(self, batch_id: str, key: str) -> None:
+        run = self._sessions.pop((batch_id, key), None)
+        if run is not None and run.lease is not None:
+            store_ = self.admitter.store_for(run.lease)
+            with contextlib.suppress(KvgateError):
+                await store_.release(run.lease, SessionState.CLOSED, int(time.time() * 1000))
+
+    async def _cancel(self, batch: BatchRow, lines: list[LineRow], now: datetime) -> None:
+        await asyncio.to_thread(
+            store.end_open_lines,
+            self.engine,
+            batch.id,
+            LineStatus.CANCELLED,
+            ErrorCode.CANCELLED.value,
+            now,
+            only_pending=True,
+        )
+        running = [line for line in lines if line.status == LineStatus.RUNNING.value]
+        for line in running:
+            if line.call_id not in self._cancel_sent:
+                self._cancel_sent.add(line.call_id)
+                await self.nc.publish(f"{CANCEL_SUBJECT_PREFIX}{line.call_id}", b"")
+        if not running:
+            for key in {line.session_key for line in lines}:
+                await self._end_lease(batch.id, key)
+            await asyncio.to_thread(
+                store.set_status, self.engine, batch.id, BatchStatus.CANCELLED, now
+            )
+            log.info("batch %s cancelled", batch.id)
+
+    # -- collector -----------------------------------------------------------------------
+
+    async def _collect_loop(self) -> None:
+        sub = await self.js.pull_subscribe_bind(COLLECTOR, stream=RESULTS_STREAM)
+        while True:
+            try:
+                messages = await sub.fetch(256, timeout=1.0)
+            except TimeoutError:
+                continue
+            except Exception as exc:
+                log.warning("result collector: %s", exc)
+                await asyncio.sleep(1.0)
+                continue
+            outcomes = []
+            for msg in messages:
+                try:
+                    outcomes.append(_outcome(decode_result(msg.data)))
+                except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                    log.error("malformed batch result dropped: %s", exc)
+            try:
+                await asyncio.to_thread(store.finish_lines, self.engine, outcomes, utcnow())
+            except Exception:
+                log.exception(
+                    "could not write %d batch results; they will come back", len(messages)
+                )
+                await asyncio.sleep(1.0)
+                continue  # not acked: redelivered after the ack wait
+            for msg in messages:
+                with contextlib.suppress(Exception):
+                    await msg.ack()
+            self.wake()
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    messages = body.get("messages") or []
+    chars = sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
+    return max(1, math.ceil(chars / 3) + 4 * len(messages) + 8)
+
+
+def _error(code: str, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message}}
+
+
+def _outcome(result: CallResult) -> tuple[str, LineStatus, dict[str, Any] | None, str | None]:
+    if result.error_code is None:
+        usage = result.usage
+        body = {
+            "id": f"chatcmpl-{result.call_id}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": result.text or ""},
+                    "finish_reason": result.finish_reason.value if result.finish_reason else None,
+                }
+            ],
+            "usage": None
+            if usage is None
+            else {
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "total_tokens": usage.total_tokens,
+            },
+        }
+        return result.call_id, LineStatus.COMPLETED, {"status_code": 200, "body": body}, None
+    code = result.error_code
+    status = {
+        ErrorCode.DEADLINE_EXCEEDED: LineStatus.EXPIRED,
+        ErrorCode.CANCELLED: LineStatus.CANCELLED,
+    }.get(code, LineStatus.FAILED)
+    return result.call_id, status, _error(code.value, result.error_message or ""), code.value

@@ -1,0 +1,165 @@
+"""``/v1/batches``: submit a batch of session calls, follow it, collect its results."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from api.batch_request import parse_submission
+from api.chat_request import read_body
+from api.deps import FrontDoorDep, TenantDep
+from api.routes.sessions import IDEMPOTENCY_HEADER, check_tier
+from broker import batches as store
+from broker.batches import BatchStatus, BatchView, LineStatus
+from broker.errors import InvalidRequest, KvgateError
+from broker.ledger import utcnow
+from schemas.vocab import ErrorCode, Tier
+
+router = APIRouter(prefix="/v1/batches", tags=["batches"])
+
+
+@router.post("", response_model=None)
+async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) -> JSONResponse:
+    settings = door.settings
+    submission = parse_submission(
+        request, await read_body(request, settings.max_body_bytes * 64), settings
+    )
+    tier = submission.tier or Tier.BESTEFFORT
+    check_tier(tier, tenant)
+    valid = [line for line in submission.lines if line.error is None]
+    if not valid:
+        raise InvalidRequest(
+            ErrorCode.INVALID_REQUEST,
+            f"every line of the batch is invalid; first: {submission.errors[0].message}",
+        )
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    now = utcnow()
+    batch_id = f"batch_{uuid.uuid4().hex}"
+    batch = {
+        "id": batch_id,
+        "tenant": tenant.id,
+        "tier": tier.value,
+        "status": BatchStatus.IN_PROGRESS.value,
+        "completion_window_s": submission.completion_window_s,
+        "created_at": now,
+        "expires_at": now + timedelta(seconds=submission.completion_window_s),
+        "finished_at": None,
+        "cancel_requested": False,
+        "total": len(submission.lines),
+        "idempotency_key": key,
+        "runner": None,
+        "runner_seen_at": None,
+        "metadata": submission.metadata,
+    }
+    lines = [
+        {
+            "batch_id": batch_id,
+            "line_no": line.line,
+            "custom_id": line.custom_id,
+            "session_key": line.session_key,
+            "parallel": line.parallel,
+            "body": line.body,
+            # Invalid lines are failed from the start, so that they too have one result.
+            "status": LineStatus.PENDING.value if line.error is None else LineStatus.FAILED.value,
+            "call_id": store.line_call_id(batch_id, line.line),
+            "started_at": None,
+            "finished_at": None if line.error is None else now,
+            "result": None
+            if line.error is None
+            else {"error": {"code": line.error.code, "message": line.error.message}},
+            "error_code": None if line.error is None else line.error.code,
+        }
+        for line in submission.lines
+    ]
+    row, created = await asyncio.to_thread(store.create_batch, door.batch_engine, batch, lines)
+    view = await asyncio.to_thread(store.get_batch, door.batch_engine, tenant.id, row.id)
+    assert view is not None
+    body = batch_json(view)
+    if created:
+        body["errors"] = [e.to_json() for e in submission.errors]
+        door.batch_runner.wake()
+    return JSONResponse(body, status_code=201 if created else 200)
+
+
+@router.get("")
+async def list_batches(
+    door: FrontDoorDep,
+    tenant: TenantDep,
+    after: str | None = None,
+    limit: int = Query(default=20, ge=1, le=100),
+) -> dict[str, Any]:
+    views, more = await asyncio.to_thread(
+        store.list_batches, door.batch_engine, tenant.id, after=after, limit=limit
+    )
+    data = [batch_json(v) for v in views]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": more,
+    }
+
+
+@router.get("/{batch_id}")
+async def get_batch(batch_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
+    return batch_json(await _view(door, tenant.id, batch_id))
+
+
+@router.post("/{batch_id}/cancel")
+async def cancel_batch(batch_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
+    await _view(door, tenant.id, batch_id)
+    view = await asyncio.to_thread(store.request_cancel, door.batch_engine, tenant.id, batch_id)
+    assert view is not None
+    door.batch_runner.wake()
+    return batch_json(view)
+
+
+@router.get("/{batch_id}/results", response_model=None)
+async def batch_results(batch_id: str, door: FrontDoorDep, tenant: TenantDep) -> StreamingResponse:
+    await _view(door, tenant.id, batch_id)
+    lines = await asyncio.to_thread(store.lines_of, door.batch_engine, batch_id)
+
+    async def body() -> AsyncIterator[bytes]:
+        for line in lines:
+            out: dict[str, Any] = {"custom_id": line.custom_id, "status": line.status}
+            if line.result is not None:
+                out.update(line.result)
+            elif line.error_code is not None:
+                out["error"] = {"code": line.error_code, "message": line.status}
+            yield json.dumps(out).encode() + b"\n"
+
+    return StreamingResponse(body(), media_type="application/jsonl")
+
+
+async def _view(door: FrontDoorDep, tenant: str, batch_id: str) -> BatchView:
+    view = await asyncio.to_thread(store.get_batch, door.batch_engine, tenant, batch_id)
+    if view is None:  # another tenant's batch is indistinguishable from none
+        raise KvgateError(ErrorCode.BATCH_NOT_FOUND, f"no batch {batch_id!r}")
+    return view
+
+
+def batch_json(view: BatchView) -> dict[str, Any]:
+    b, counts = view.batch, view.counts
+    return {
+        "id": b.id,
+        "object": "batch",
+        "endpoint": "/v1/chat/completions",
+        "status": b.status,
+        "tier": b.tier,
+        "completion_window": f"{b.completion_window_s // 3600}h"
+        if b.completion_window_s % 3600 == 0
+        else f"{b.completion_window_s // 60}m",
+        "created_at": int(b.created_at.timestamp()),
+        "expires_at": int(b.expires_at.timestamp()),
+        "finished_at": None if b.finished_at is None else int(b.finished_at.timestamp()),
+        "request_counts": {"total": b.total, **counts},
+        "metadata": b.metadata,
+    }

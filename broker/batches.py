@@ -1,0 +1,356 @@
+"""Batches in the database: the batch, its lines, their results (SQLModel tables owned by the
+Alembic migrations, in the same database as the ledger).
+
+Invariants a reader must not break:
+- A line's ``call_id`` is fixed when the batch is created and reused by every publish of that
+  line, so JetStream deduplicates a re-publish after a front door restarts, and a result from
+  any attempt finds its line.
+- A line gets a terminal status exactly once: every update to a terminal status is
+  conditional on the line not being terminal already (the first result wins; a duplicate
+  result, or one arriving after a cancel, changes nothing).
+
+Every function here is blocking; the front door calls them from a worker thread.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Column, Integer, func, insert, select, update
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Field, SQLModel
+
+
+class BatchStatus(enum.StrEnum):
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+class LineStatus(enum.StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+
+
+TERMINAL_LINES = frozenset(
+    {LineStatus.COMPLETED, LineStatus.FAILED, LineStatus.EXPIRED, LineStatus.CANCELLED}
+)
+OPEN_LINES = (LineStatus.PENDING.value, LineStatus.RUNNING.value)
+
+
+class Batch(SQLModel, table=True):
+    __tablename__ = "batches"
+
+    id: str = Field(primary_key=True, max_length=64)
+    tenant: str = Field(max_length=64)
+    tier: str = Field(max_length=16)
+    status: str = Field(max_length=16)
+    completion_window_s: int
+    created_at: datetime
+    expires_at: datetime
+    finished_at: datetime | None = None
+    cancel_requested: bool = False
+    total: int
+    idempotency_key: str | None = Field(default=None, max_length=255)
+    runner: str | None = Field(default=None, max_length=64)
+    runner_seen_at: datetime | None = None
+    metadata_: dict[str, Any] = Field(
+        default_factory=dict, sa_column=Column("metadata", JSON, nullable=False)
+    )
+
+
+class BatchLine(SQLModel, table=True):
+    __tablename__ = "batch_lines"
+
+    id: int | None = Field(
+        default=None,
+        sa_column=Column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True),
+    )
+    batch_id: str = Field(max_length=64)
+    line_no: int
+    custom_id: str = Field(max_length=255)
+    session_key: str = Field(max_length=255)
+    parallel: bool = False
+    body: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    status: str = Field(default=LineStatus.PENDING.value, max_length=16)
+    call_id: str = Field(max_length=64)
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    result: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    error_code: str | None = Field(default=None, max_length=32)
+
+
+BATCHES = Batch.__table__  # type: ignore[attr-defined]
+LINES = BatchLine.__table__  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRow:
+    id: str
+    tenant: str
+    tier: str
+    status: str
+    completion_window_s: int
+    created_at: datetime
+    expires_at: datetime
+    finished_at: datetime | None
+    cancel_requested: bool
+    total: int
+    idempotency_key: str | None
+    metadata: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class LineRow:
+    id: int
+    batch_id: str
+    line_no: int
+    custom_id: str
+    session_key: str
+    parallel: bool
+    body: dict[str, Any]
+    status: str
+    call_id: str
+    result: dict[str, Any] | None
+    error_code: str | None
+
+    @property
+    def terminal(self) -> bool:
+        return self.status not in OPEN_LINES
+
+
+@dataclass(frozen=True, slots=True)
+class BatchView:
+    batch: BatchRow
+    counts: dict[str, int]
+
+
+def _batch(row: Any) -> BatchRow:
+    m = row._mapping
+    return BatchRow(
+        id=m["id"],
+        tenant=m["tenant"],
+        tier=m["tier"],
+        status=m["status"],
+        completion_window_s=m["completion_window_s"],
+        created_at=_utc(m["created_at"]),
+        expires_at=_utc(m["expires_at"]),
+        finished_at=None if m["finished_at"] is None else _utc(m["finished_at"]),
+        cancel_requested=bool(m["cancel_requested"]),
+        total=m["total"],
+        idempotency_key=m["idempotency_key"],
+        metadata=m["metadata"] or {},
+    )
+
+
+def _line(row: Any) -> LineRow:
+    m = row._mapping
+    return LineRow(
+        **{k: m[k] for k in ("id", "batch_id", "line_no", "custom_id", "session_key")},
+        parallel=bool(m["parallel"]),
+        body=m["body"],
+        status=m["status"],
+        call_id=m["call_id"],
+        result=m["result"],
+        error_code=m["error_code"],
+    )
+
+
+def _utc(value: datetime) -> datetime:
+    """SQLite hands back naive datetimes; everything here is UTC."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def line_call_id(batch_id: str, line_no: int) -> str:
+    return f"{batch_id}-{line_no}"
+
+
+def create_batch(
+    engine: Engine, batch: dict[str, Any], lines: list[dict[str, Any]]
+) -> tuple[BatchRow, bool]:
+    """Insert the batch and its lines in one transaction. With an idempotency key the tenant
+    already used, returns that batch instead (``created`` False)."""
+    key = batch.get("idempotency_key")
+    if key is not None:
+        existing = _by_idempotency_key(engine, batch["tenant"], key)
+        if existing is not None:
+            return existing, False
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert(BATCHES), [batch])
+            conn.execute(insert(LINES), lines)
+            row = conn.execute(select(BATCHES).where(BATCHES.c.id == batch["id"])).one()
+            return _batch(row), True
+    except IntegrityError:
+        if key is None:
+            raise
+        existing = _by_idempotency_key(engine, batch["tenant"], key)
+        assert existing is not None
+        return existing, False
+
+
+def _by_idempotency_key(engine: Engine, tenant: str, key: str) -> BatchRow | None:
+    with engine.connect() as conn:
+        row = conn.execute(
+            select(BATCHES).where(BATCHES.c.tenant == tenant, BATCHES.c.idempotency_key == key)
+        ).first()
+    return None if row is None else _batch(row)
+
+
+def get_batch(engine: Engine, tenant: str, batch_id: str) -> BatchView | None:
+    with engine.connect() as conn:
+        row = conn.execute(select(BATCHES).where(BATCHES.c.id == batch_id)).first()
+        if row is None or row._mapping["tenant"] != tenant:
+            return None
+        return BatchView(_batch(row), _counts(conn, [batch_id])[batch_id])
+
+
+def list_batches(
+    engine: Engine, tenant: str, *, after: str | None, limit: int
+) -> tuple[list[BatchView], bool]:
+    """The tenant's batches, newest first; ``after`` is the last id of the previous page."""
+    with engine.connect() as conn:
+        query = select(BATCHES).where(BATCHES.c.tenant == tenant)
+        if after is not None:
+            anchor = conn.execute(
+                select(BATCHES.c.created_at).where(
+                    BATCHES.c.id == after, BATCHES.c.tenant == tenant
+                )
+            ).first()
+            if anchor is not None:
+                at = anchor[0]
+                query = query.where(
+                    (BATCHES.c.created_at < at)
+                    | ((BATCHES.c.created_at == at) & (BATCHES.c.id < after))
+                )
+        query = query.order_by(BATCHES.c.created_at.desc(), BATCHES.c.id.desc()).limit(limit + 1)
+        rows = [_batch(r) for r in conn.execute(query)]
+        counts = _counts(conn, [b.id for b in rows[:limit]])
+        return [BatchView(b, counts[b.id]) for b in rows[:limit]], len(rows) > limit
+
+
+def _counts(conn: Connection, batch_ids: list[str]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {i: {s.value: 0 for s in LineStatus} for i in batch_ids}
+    if not batch_ids:
+        return out
+    query = (
+        select(LINES.c.batch_id, LINES.c.status, func.count())
+        .where(LINES.c.batch_id.in_(batch_ids))
+        .group_by(LINES.c.batch_id, LINES.c.status)
+    )
+    for batch_id, status, count in conn.execute(query):
+        out[batch_id][status] = count
+    return out
+
+
+def lines_of(engine: Engine, batch_id: str) -> list[LineRow]:
+    with engine.connect() as conn:
+        query = select(LINES).where(LINES.c.batch_id == batch_id).order_by(LINES.c.line_no)
+        return [_line(r) for r in conn.execute(query)]
+
+
+def claim_batches(engine: Engine, runner: str, now: datetime, stale_s: float) -> list[BatchRow]:
+    """Take over every unfinished batch nobody runs (or whose runner went silent), renew the
+    ones this runner holds, and return them."""
+    stale = now - timedelta(seconds=stale_s)
+    open_statuses = (BatchStatus.IN_PROGRESS.value, BatchStatus.CANCELLING.value)
+    with engine.begin() as conn:
+        conn.execute(
+            update(BATCHES)
+            .where(
+                BATCHES.c.status.in_(open_statuses),
+                BATCHES.c.runner.is_(None)
+                | (BATCHES.c.runner == runner)
+                | (BATCHES.c.runner_seen_at < stale),
+            )
+            .values(runner=runner, runner_seen_at=now)
+        )
+        rows = conn.execute(
+            select(BATCHES).where(BATCHES.c.runner == runner, BATCHES.c.status.in_(open_statuses))
+        )
+        return [_batch(r) for r in rows]
+
+
+def mark_started(engine: Engine, line_ids: Iterable[int], now: datetime) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            update(LINES)
+            .where(LINES.c.id.in_(list(line_ids)), LINES.c.status == LineStatus.PENDING.value)
+            .values(status=LineStatus.RUNNING.value, started_at=now)
+        )
+
+
+def finish_lines(
+    engine: Engine,
+    outcomes: Iterable[tuple[str, LineStatus, dict[str, Any] | None, str | None]],
+    now: datetime,
+) -> int:
+    """Give lines (by call id) their terminal status and result, unless they already have
+    one. Returns how many lines changed."""
+    changed = 0
+    with engine.begin() as conn:
+        for call_id, status, result, error_code in outcomes:
+            res = conn.execute(
+                update(LINES)
+                .where(LINES.c.call_id == call_id, LINES.c.status.in_(OPEN_LINES))
+                .values(status=status.value, result=result, error_code=error_code, finished_at=now)
+            )
+            changed += res.rowcount
+    return changed
+
+
+def end_open_lines(
+    engine: Engine,
+    batch_id: str,
+    status: LineStatus,
+    code: str,
+    now: datetime,
+    *,
+    only_pending: bool,
+) -> int:
+    statuses = (LineStatus.PENDING.value,) if only_pending else OPEN_LINES
+    with engine.begin() as conn:
+        res = conn.execute(
+            update(LINES)
+            .where(LINES.c.batch_id == batch_id, LINES.c.status.in_(statuses))
+            .values(status=status.value, error_code=code, result=None, finished_at=now)
+        )
+        return int(res.rowcount)
+
+
+def set_status(
+    engine: Engine, batch_id: str, status: BatchStatus, now: datetime | None = None
+) -> None:
+    values: dict[str, Any] = {"status": status.value}
+    if now is not None:
+        values["finished_at"] = now
+    with engine.begin() as conn:
+        conn.execute(update(BATCHES).where(BATCHES.c.id == batch_id).values(**values))
+
+
+def request_cancel(engine: Engine, tenant: str, batch_id: str) -> BatchView | None:
+    with engine.begin() as conn:
+        conn.execute(
+            update(BATCHES)
+            .where(
+                BATCHES.c.id == batch_id,
+                BATCHES.c.tenant == tenant,
+                BATCHES.c.status.in_((BatchStatus.IN_PROGRESS.value, BatchStatus.VALIDATING.value)),
+            )
+            .values(cancel_requested=True, status=BatchStatus.CANCELLING.value)
+        )
+    return get_batch(engine, tenant, batch_id)

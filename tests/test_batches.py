@@ -1,0 +1,250 @@
+"""Batches through a real front door (subprocess) and real NATS, with an in-process worker on
+the simulated engine: validation, tenancy, ordering, exactly one result per line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from broker.natsserver import EmbeddedNats
+from broker.tenants import hash_key
+from tests.polling import poll_until
+from tests.procs import Proc, start_api
+from tests.simworker import sim_worker
+from workers.sim_engine import SimEngine, SimEngineConfig
+
+MODEL = "kvgate-sim"
+ACME, OTHER, CHEAP = "acme-key", "other-key", "cheap-key"
+
+
+def tenants_toml() -> str:
+    return f"""
+[[tenants]]
+id = "acme"
+key_sha256 = "{hash_key(ACME)}"
+max_tier = "guaranteed"
+
+[[tenants]]
+id = "other"
+key_sha256 = "{hash_key(OTHER)}"
+
+[[tenants]]
+id = "cheap"
+key_sha256 = "{hash_key(CHEAP)}"
+max_tier = "besteffort"
+"""
+
+
+def line(custom_id: str, session: str, *, max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "session": session,
+        "body": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"step {custom_id}"}],
+            "max_tokens": max_tokens,
+        },
+        **extra,
+    }
+
+
+class Door:
+    def __init__(self, base: str, db: Path, restart: Any) -> None:
+        self.base = base
+        self.db = db
+        self.restart = restart
+
+    def client(self, key: str = ACME) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.base, headers={"Authorization": f"Bearer {key}"}, timeout=30
+        )
+
+
+@pytest.fixture
+async def door(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Door]:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(tenants_toml())
+    db = tmp_path / "kvgate.db"
+
+    def start() -> tuple[Proc, str]:
+        return start_api(
+            nats_server.url,
+            tmp_path,
+            KVGATE_TENANTS_FILE=str(tenants),
+            KVGATE_SERVED_MODEL_NAME=MODEL,
+            KVGATE_DATABASE_URL=f"sqlite:///{db}",
+            KVGATE_BATCH_TICK_S="0.1",
+        )
+
+    procs = [start()]
+
+    def restart() -> str:
+        procs[-1][0].stop()
+        procs.append(start())
+        return procs[-1][1]
+
+    base = procs[0][1]
+    engine = SimEngine(SimEngineConfig(step_s=0.002, kv_capacity_tokens=8192))
+    try:
+        async with sim_worker(engine, nats_server.url, "sim-b", ready_at=base):
+            yield Door(base, db, restart)
+    finally:
+        procs[-1][0].stop()
+
+
+async def finished(client: httpx.AsyncClient, batch_id: str, timeout_s: float = 60) -> Any:
+    final = {"completed", "failed", "expired", "cancelled"}
+    resp = await poll_until(
+        lambda: client.get(f"/v1/batches/{batch_id}"),
+        lambda r: r.json()["status"] in final,
+        timeout_s=timeout_s,
+        interval_s=0.2,
+    )
+    return resp.json()
+
+
+async def results(client: httpx.AsyncClient, batch_id: str) -> list[dict[str, Any]]:
+    resp = await client.get(f"/v1/batches/{batch_id}/results")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("application/jsonl")
+    return [json.loads(x) for x in resp.text.split("\n") if x]
+
+
+async def test_a_batch_of_sessions_completes_with_one_result_per_line_in_session_order(
+    door: Door,
+) -> None:
+    lines = [line(f"s{s}-c{c}", f"s{s}") for s in range(5) for c in range(3)]
+    lines.append(line("s9-a", "s9"))
+    lines.append(line("s9-b", "s9", parallel=True))
+    async with door.client() as client:
+        resp = await client.post("/v1/batches", json={"completion_window": "1h", "requests": lines})
+        assert resp.status_code == 201, resp.text
+        batch = resp.json()
+        assert (batch["status"], batch["tier"], batch["completion_window"]) == (
+            "in_progress",
+            "besteffort",
+            "1h",
+        )
+        assert batch["request_counts"]["total"] == 17 and batch["errors"] == []
+        done = await finished(client, batch["id"])
+        out = await results(client, batch["id"])
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 17
+    assert [r["custom_id"] for r in out] == [x["custom_id"] for x in lines]
+    assert all(r["status"] == "completed" and r["status_code"] == 200 for r in out)
+    assert all(r["body"]["usage"]["completion_tokens"] == 6 for r in out)
+    with sqlite3.connect(door.db) as conn:
+        rows = conn.execute(
+            "SELECT custom_id, started_at, finished_at FROM batch_lines ORDER BY line_no"
+        ).fetchall()
+    times = {cid: (started, ended) for cid, started, ended in rows}
+    for s in range(5):  # each call of a session started after the one before it finished
+        for c in range(1, 3):
+            assert times[f"s{s}-c{c}"][0] >= times[f"s{s}-c{c - 1}"][1]
+
+
+async def test_bad_lines_are_reported_and_answered_and_a_bad_batch_is_a_400(door: Door) -> None:
+    good = line("ok-1", "a")
+    lines: list[Any] = [
+        good,
+        {"session": "a", "body": good["body"]},  # no custom_id
+        line("ok-1", "a"),  # duplicate custom_id
+        {"custom_id": "no-body", "session": "a"},
+        {**line("bad-model", "b"), "body": {**good["body"], "model": "gpt-9"}},
+        {**line("bad-tokens", "b"), "body": {**good["body"], "max_tokens": -3}},
+        {**line("streamy", "b"), "body": {**good["body"], "stream": True}},
+    ]
+    async with door.client() as client:
+        resp = await client.post("/v1/batches", json={"requests": lines})
+        assert resp.status_code == 201, resp.text
+        body = resp.json()
+        errors = {(e["line"], e["custom_id"], e["code"]) for e in body["errors"]}
+        assert errors == {
+            (2, None, "invalid_parameter"),
+            (3, "ok-1", "invalid_parameter"),
+            (4, "no-body", "invalid_request"),
+            (5, "bad-model", "model_not_found"),
+            (6, "bad-tokens", "invalid_max_tokens"),
+            (7, "streamy", "unsupported_parameter"),
+        }
+        await finished(client, body["id"])
+        out = await results(client, body["id"])
+        assert len(out) == 7  # one result per input line, bad ones included
+        assert [r["status"] for r in out].count("completed") == 1
+        assert {r["error"]["code"] for r in out if r["status"] == "failed"} >= {"model_not_found"}
+
+        all_bad = await client.post("/v1/batches", json={"requests": lines[1:2]})
+        not_a_list = await client.post("/v1/batches", json={"requests": "x"})
+        window = await client.post(
+            "/v1/batches", json={"requests": [good], "completion_window": "30m"}
+        )
+        jsonl = await client.post(
+            "/v1/batches?completion_window=2h",
+            content=("\n".join(json.dumps(x) for x in [good, line("j2", "j")]) + "\n{oops\n"),
+            headers={"content-type": "application/jsonl"},
+        )
+    assert (all_bad.status_code, all_bad.json()["error"]["code"]) == (400, "invalid_request")
+    assert not_a_list.status_code == 400
+    assert (window.status_code, window.json()["error"]["param"]) == (400, "completion_window")
+    assert jsonl.status_code == 201
+    assert [(e["line"], e["code"]) for e in jsonl.json()["errors"]] == [(3, "invalid_json")]
+    assert jsonl.json()["completion_window"] == "2h"
+
+
+async def test_a_tenant_sees_only_its_own_batches(door: Door) -> None:
+    async with door.client() as acme, door.client(OTHER) as other, door.client(CHEAP) as cheap:
+        batch = (await acme.post("/v1/batches", json={"requests": [line("x", "s")]})).json()
+        for path in ("", "/results"):
+            resp = await other.get(f"/v1/batches/{batch['id']}{path}")
+            assert (resp.status_code, resp.json()["error"]["code"]) == (404, "batch_not_found")
+        assert (await other.post(f"/v1/batches/{batch['id']}/cancel")).status_code == 404
+        assert (await other.get("/v1/batches")).json()["data"] == []
+        listed = (await acme.get("/v1/batches")).json()
+        assert [b["id"] for b in listed["data"]] == [batch["id"]]
+        above = await cheap.post(
+            "/v1/batches", json={"requests": [line("x", "s")], "tier": "standard"}
+        )
+        assert (above.status_code, above.json()["error"]["code"]) == (403, "tier_not_allowed")
+
+
+async def test_an_idempotency_key_and_pagination(door: Door) -> None:
+    headers = {"Idempotency-Key": "nightly-42"}
+    async with door.client() as client:
+        first = await client.post(
+            "/v1/batches", json={"requests": [line("a", "s")]}, headers=headers
+        )
+        again = await client.post(
+            "/v1/batches", json={"requests": [line("a", "s")]}, headers=headers
+        )
+        others = [
+            (await client.post("/v1/batches", json={"requests": [line("a", "s")]})).json()["id"]
+            for _ in range(3)
+        ]
+        page1 = (await client.get("/v1/batches", params={"limit": 2})).json()
+        page2 = (
+            await client.get("/v1/batches", params={"limit": 2, "after": page1["last_id"]})
+        ).json()
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json()["id"] == again.json()["id"]
+    assert page1["has_more"] and not page2["has_more"]
+    seen = [b["id"] for b in page1["data"] + page2["data"]]
+    assert sorted(seen) == sorted([first.json()["id"], *others]) and len(set(seen)) == 4
+
+
+async def test_results_survive_a_restart_of_the_front_door(door: Door) -> None:
+    async with door.client() as client:
+        batch = (await client.post("/v1/batches", json={"requests": [line("r1", "s")]})).json()
+        await finished(client, batch["id"])
+        before = await results(client, batch["id"])
+    door.base = await asyncio.to_thread(door.restart)
+    async with door.client() as client:
+        after = await results(client, batch["id"])
+        status = (await client.get(f"/v1/batches/{batch['id']}")).json()["status"]
+    assert after == before and status == "completed"
+    assert after[0]["body"]["choices"][0]["finish_reason"] == "length"
