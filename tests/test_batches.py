@@ -248,3 +248,24 @@ async def test_results_survive_a_restart_of_the_front_door(door: Door) -> None:
         status = (await client.get(f"/v1/batches/{batch['id']}")).json()["status"]
     assert after == before and status == "completed"
     assert after[0]["body"]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_work_left_when_the_window_closes_is_reported_expired_per_line(
+    door: Door,
+) -> None:
+    lines = [line(f"e{s}-c{c}", f"e{s}", max_tokens=200) for s in range(4) for c in range(5)]
+    async with door.client() as client:
+        batch = (await client.post("/v1/batches", json={"requests": lines})).json()
+        # The window closes now (as if 24 hours had passed): written where the runner reads it.
+        with sqlite3.connect(door.db) as conn:
+            conn.execute(
+                "UPDATE batches SET expires_at = '2000-01-01 00:00:00' WHERE id = ?",
+                (batch["id"],),
+            )
+        done = await finished(client, batch["id"])
+        out = await results(client, batch["id"])
+    statuses = [r["status"] for r in out]
+    assert done["status"] == "expired"
+    assert len(out) == 20 and set(statuses) <= {"completed", "expired"}
+    assert statuses.count("expired") >= 10  # each session's later calls never started
+    assert all(r["error"]["code"] == "deadline_exceeded" for r in out if r["status"] == "expired")

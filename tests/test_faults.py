@@ -9,7 +9,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,16 @@ class FaultStack:
 
     def spawn(self) -> str:
         name = next(self._names)
-        self.workers[name] = start_worker(self.nats.url, self.model, self.root, name, **STREAM_ENV)
+        # Heartbeats every 0.2 s: a test sees which worker holds a call well before the call
+        # can finish, so a kill lands mid-generation.
+        self.workers[name] = start_worker(
+            self.nats.url,
+            self.model,
+            self.root,
+            name,
+            KVGATE_WORKER_HEARTBEAT_INTERVAL_S="0.2",
+            **STREAM_ENV,
+        )
         return name
 
     def close(self) -> None:
@@ -74,16 +83,31 @@ def body(max_tokens: int, **extra: Any) -> dict[str, Any]:
     }
 
 
-async def holders(fleet: FleetSampler, calls: int, timeout: float = 20) -> dict[str, int]:
-    """Workers running calls, once ``calls`` are running in all. A worker counts only while it
-    holds reservations of its own: an idle engine can go on reporting the running count of
-    its last scheduler step (vLLM reports stats only when it steps)."""
+def committed(fleet: FleetSampler) -> dict[str, int]:
+    return {hb.worker_id: hb.committed_tokens for hb in fleet.workers()}
+
+
+async def holders(
+    fleet: FleetSampler,
+    calls: int,
+    alive: Iterable[str],
+    before: dict[str, int],
+    timeout: float = 20,
+) -> dict[str, int]:
+    """Workers running the calls a test just sent, once ``calls`` are running in all: a worker
+    counts only if it is in ``alive`` (a worker killed by an earlier test leaves its last
+    heartbeat in the bucket until the entry expires) and its own reservations grew since
+    ``before`` (taken just before the calls were sent), so that no earlier reading, stale or
+    not, is mistaken for this test's call."""
+    names = set(alive)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         running = {
             hb.worker_id: hb.num_running
             for hb in fleet.workers()
-            if hb.num_running and hb.committed_tokens
+            if hb.worker_id in names
+            and hb.num_running
+            and hb.committed_tokens > before.get(hb.worker_id, 0)
         }
         if sum(running.values()) >= calls:
             return running
@@ -109,13 +133,14 @@ async def test_sigterm_finishes_running_calls_and_exits_zero(
     faults: FaultStack, fleet: FleetSampler
 ) -> None:
     async with httpx.AsyncClient(base_url=faults.base_url, timeout=120) as client:
+        before = committed(fleet)
         calls = [
             asyncio.create_task(client.post("/v1/chat/completions", json=body(400)))
             for _ in range(3)
         ]
         # Stop a worker that is running calls; whether the three run side by side or one
         # after another depends on the machine's load, not on what is tested here.
-        running = await holders(fleet, 1)
+        running = await holders(fleet, 1, faults.workers, before)
         name = max(running, key=lambda k: running[k])
         worker = faults.workers[name]
         worker.signal(signal.SIGTERM)
@@ -137,14 +162,15 @@ async def test_sigkill_mid_generation_redelivers_a_non_streamed_call(
 ) -> None:
     async with httpx.AsyncClient(base_url=faults.base_url, timeout=120) as client:
         started = time.monotonic()
-        call = asyncio.create_task(client.post("/v1/chat/completions", json=body(600)))
-        (name,) = await holders(fleet, 1)
+        before = committed(fleet)
+        call = asyncio.create_task(client.post("/v1/chat/completions", json=body(960)))
+        (name,) = await holders(fleet, 1, faults.workers, before)
         kill(faults.workers.pop(name))
         reply = await call
         elapsed = time.monotonic() - started
     assert reply.status_code == 200, reply.text
     # One complete answer, from the worker the call was redelivered to after the ack wait.
-    assert reply.json()["usage"]["completion_tokens"] == 600
+    assert reply.json()["usage"]["completion_tokens"] == 960
     assert elapsed >= ACK_WAIT_S
     faults.spawn()
     assert await stream_is_empty(faults.nats.url)
@@ -155,10 +181,11 @@ async def test_sigkill_mid_stream_ends_the_stream_with_worker_lost(
 ) -> None:
     async with httpx.AsyncClient(base_url=faults.base_url, timeout=120) as client:
         payload = body(900, stream=True)
+        before = committed(fleet)
         async with client.stream("POST", "/v1/chat/completions", json=payload) as r:
             chunks = r.aiter_text()
             received = await anext(chunks)
-            (name,) = await holders(fleet, 1)
+            (name,) = await holders(fleet, 1, faults.workers, before)
             survivors = {
                 hb.worker_id: hb.cancelled for hb in fleet.workers() if hb.worker_id != name
             }
