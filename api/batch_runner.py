@@ -309,6 +309,14 @@ class BatchRunner:
 
     async def _collect_loop(self) -> None:
         sub = await self.js.pull_subscribe_bind(COLLECTOR, stream=RESULTS_STREAM)
+        try:
+            await self._collect(sub)
+        finally:
+            # An open pull subscription would hold the connection's drain at shutdown.
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _collect(self, sub: JetStreamContext.PullSubscription) -> None:
         while True:
             try:
                 messages = await sub.fetch(256, timeout=1.0)
