@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import heapq
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -148,6 +149,12 @@ class MemoryAdmissionState:
         self._tpm: dict[tuple[str, int], int] = defaultdict(int)
         self._released: dict[int, int] = defaultdict(int)
         self._idempotency: dict[tuple[str, str], tuple[str, int]] = {}
+        # Min-heaps of (when, session id), so that a sweep looks only at what is due. An entry
+        # made stale by a later change of the same session (a lease extended, a session
+        # closed) is skipped when it comes up; the record is the truth.
+        self._expiry: list[tuple[int, str]] = []
+        self._forget: list[tuple[int, str]] = []
+        self._pruned_window = -1
         self._lock = asyncio.Lock()
 
     def holds(self, session_id: str) -> bool:
@@ -198,8 +205,8 @@ class MemoryAdmissionState:
             self._tenant_sessions[record.tenant] += 1
             self._tenant_parallel[record.tenant] += record.max_parallel
             self._tpm[(record.tenant, window)] += request.tokens_charged
-            self._records[record.id] = record
             self._leases.add(record.id)
+            self._keep(record)
             if request.idempotency_key is not None:
                 expires = now_ms + 24 * 3_600_000
                 self._idempotency[(record.tenant, request.idempotency_key)] = (record.id, expires)
@@ -238,7 +245,7 @@ class MemoryAdmissionState:
             slots[call_id] = call_deadline_ms
             expires = min(record.deadline_ms, max(record.expires_ms, call_deadline_ms))
             record = replace(record, expires_ms=expires, calls_started=record.calls_started + 1)
-            self._records[session_id] = record
+            self._keep(record)
             return SlotStatus.ACQUIRED, record
 
     async def release_call(self, session_id: str, call_id: str, now_ms: int) -> None:
@@ -251,9 +258,7 @@ class MemoryAdmissionState:
                 return
             busy_until = max(slots.values(), default=0) if slots else 0
             idle_from = max(now_ms + record.idle_timeout_ms, busy_until)
-            self._records[session_id] = replace(
-                record, expires_ms=min(record.deadline_ms, idle_from)
-            )
+            self._keep(replace(record, expires_ms=min(record.deadline_ms, idle_from)))
 
     async def touch(self, session_id: str, now_ms: int) -> None:
         async with self._lock:
@@ -264,7 +269,7 @@ class MemoryAdmissionState:
             expires = min(
                 record.deadline_ms, max(record.expires_ms, now_ms + record.idle_timeout_ms)
             )
-            self._records[session_id] = replace(record, expires_ms=expires)
+            self._keep(replace(record, expires_ms=expires))
 
     async def sweep(self, now_ms: int) -> int:
         async with self._lock:
@@ -276,26 +281,36 @@ class MemoryAdmissionState:
     async def close(self) -> None:
         return None
 
+    def _keep(self, record: SessionRecord) -> None:
+        """Store a live session's record and schedule its expiry."""
+        self._records[record.id] = record
+        heapq.heappush(self._expiry, (record.expires_ms, record.id))
+
     def _sweep(self, now_ms: int) -> int:
-        expired = [i for i in self._leases if self._records[i].expires_ms <= now_ms]
-        for session_id in expired:
-            self._end(session_id, SessionState.EXPIRED, now_ms)
-        for session_id in [
-            i
-            for i, r in self._records.items()
-            if r.ended_ms is not None and r.ended_ms + self.retention_ms <= now_ms
-        ]:
-            del self._records[session_id]
-            self._slots.pop(session_id, None)
-        oldest_bucket = now_ms // RELEASE_BUCKET_MS - RELEASE_WINDOW_BUCKETS
-        for bucket in [b for b in self._released if b < oldest_bucket]:
-            del self._released[bucket]
+        expired = 0
+        while self._expiry and self._expiry[0][0] <= now_ms:
+            _, session_id = heapq.heappop(self._expiry)
+            record = self._records.get(session_id)
+            if session_id in self._leases and record is not None and record.expires_ms <= now_ms:
+                self._end(session_id, SessionState.EXPIRED, now_ms)
+                expired += 1
+        while self._forget and self._forget[0][0] <= now_ms:
+            _, session_id = heapq.heappop(self._forget)
+            record = self._records.get(session_id)
+            if record is not None and record.ended_ms is not None:
+                del self._records[session_id]
+                self._slots.pop(session_id, None)
         window, _ = minute_window(now_ms)
-        for old in [k for k in self._tpm if k[1] < window]:
-            del self._tpm[old]
-        for used in [k for k, v in self._idempotency.items() if v[1] <= now_ms]:
-            del self._idempotency[used]
-        return len(expired)
+        if window != self._pruned_window:  # the counters below age by the minute
+            self._pruned_window = window
+            oldest_bucket = now_ms // RELEASE_BUCKET_MS - RELEASE_WINDOW_BUCKETS
+            for bucket in [b for b in self._released if b < oldest_bucket]:
+                del self._released[bucket]
+            for old in [k for k in self._tpm if k[1] < window]:
+                del self._tpm[old]
+            for used in [k for k, v in self._idempotency.items() if v[1] <= now_ms]:
+                del self._idempotency[used]
+        return expired
 
     def _end(self, session_id: str, state: SessionState, now_ms: int) -> None:
         if session_id not in self._leases:
@@ -307,6 +322,7 @@ class MemoryAdmissionState:
         self._tenant_parallel[record.tenant] -= record.max_parallel
         self._released[now_ms // RELEASE_BUCKET_MS] += record.reserved_tokens
         self._records[session_id] = replace(record, state=state, ended_ms=now_ms)
+        heapq.heappush(self._forget, (now_ms + self.retention_ms, session_id))
 
 
 def now_ms() -> int:
