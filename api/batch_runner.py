@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 import uuid
 from collections import defaultdict
@@ -36,7 +35,7 @@ from nats.js import JetStreamContext
 from sqlalchemy.engine import Engine
 
 from api.admission import Admitter
-from api.chat_request import parse_chat_request, to_envelope
+from api.chat_request import estimate_prompt_tokens, parse_chat_request, to_envelope
 from broker import batches as store
 from broker.admission import SessionNeed
 from broker.batches import BatchRow, BatchStatus, LineRow, LineStatus
@@ -50,6 +49,7 @@ from schemas.wire import (
     CANCEL_SUBJECT_PREFIX,
     RESULT_SUBJECT_PREFIX,
     RESULTS_STREAM,
+    CallEnvelope,
     CallResult,
     decode_result,
 )
@@ -219,18 +219,14 @@ class BatchRunner:
             await self._fail_lines(lines, ErrorCode.UNAUTHORIZED, "the tenant no longer exists")
             return False
         left_s = (batch.expires_at - now).total_seconds()
-        max_tokens = max(
-            int(line.body.get("max_completion_tokens") or line.body.get("max_tokens") or 0)
-            or self.settings.default_max_tokens
-            for line in lines
-        )
-        prompt = max(_prompt_tokens(line.body) for line in lines)
+        # Sized from the calls as they will be published (open lines were validated on submit).
+        calls = [self._envelope(batch, line, "") for line in lines if not line.terminal]
         need = SessionNeed(
             tier=Tier(batch.tier),
             max_parallel=widest_group(lines),
             expected_calls=len(lines),
-            est_prompt_tokens=prompt,
-            est_output_tokens=max_tokens,
+            est_prompt_tokens=max(estimate_prompt_tokens(call) for call in calls),
+            est_output_tokens=max(call.sampling.max_tokens for call in calls),
             deadline_s=max(1.0, left_s),
         )
         try:
@@ -253,15 +249,18 @@ class BatchRunner:
         run.lease = admitted.record.id
         return True
 
-    async def _publish(self, batch: BatchRow, line: LineRow, lease: str) -> None:
+    def _envelope(self, batch: BatchRow, line: LineRow, session_id: str) -> CallEnvelope:
+        """The line's call, with its fixed call id and the batch window as its deadline."""
         chat = parse_chat_request(msgspec.json.encode(line.body), self.settings)
         left_s = max(0.001, (batch.expires_at - utcnow()).total_seconds())
         call = to_envelope(
-            chat, self.settings, tier=Tier(batch.tier), timeout_s=left_s, session_id=lease
+            chat, self.settings, tier=Tier(batch.tier), timeout_s=left_s, session_id=session_id
         )
-        call = msgspec.structs.replace(call, call_id=line.call_id)
+        return msgspec.structs.replace(call, call_id=line.call_id)
+
+    async def _publish(self, batch: BatchRow, line: LineRow, lease: str) -> None:
         await self.publisher.publish(
-            call,
+            self._envelope(batch, line, lease),
             None,
             now_ms=int(time.time() * 1000),
             result_subject=f"{RESULT_SUBJECT_PREFIX}{batch.id}",
@@ -344,12 +343,6 @@ class BatchRunner:
                 with contextlib.suppress(Exception):
                     await msg.ack()
             self.wake()
-
-
-def _prompt_tokens(body: dict[str, Any]) -> int:
-    messages = body.get("messages") or []
-    chars = sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
-    return max(1, math.ceil(chars / 3) + 4 * len(messages) + 8)
 
 
 def _error(code: str, message: str) -> dict[str, Any]:

@@ -234,9 +234,7 @@ def decide(
         return AdmissionDecision(decision, reason, retry, need.reserve_tokens, limits, signals)
 
     def wait_for(shortfall: int) -> float:
-        if holdings.released_tokens_per_s > 0:
-            return shortfall / holdings.released_tokens_per_s
-        return policy.default_retry_after_s
+        return _wait_s(shortfall, holdings.released_tokens_per_s, policy.default_retry_after_s)
 
     # 1. The tenant's own quotas: retrying helps only once the tenant's own work ends.
     if holdings.tenant_sessions + 1 > tenant.max_sessions:
@@ -299,6 +297,11 @@ def retry_after_for_shortfall(
     shortfall_tokens: int, released_tokens_per_s: float, default_s: float, jitter: float
 ) -> int:
     """``Retry-After`` for a reservation the store refused (a replica won the race)."""
+    return _retry_after(_wait_s(shortfall_tokens, released_tokens_per_s, default_s), jitter)
+
+
+def _wait_s(shortfall_tokens: int, released_tokens_per_s: float, default_s: float) -> float:
+    """How long until ``shortfall_tokens`` are released at the recent release rate."""
     if released_tokens_per_s > 0:
-        return _retry_after(shortfall_tokens / released_tokens_per_s, jitter)
-    return _retry_after(default_s, jitter)
+        return shortfall_tokens / released_tokens_per_s
+    return default_s
