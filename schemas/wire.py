@@ -92,6 +92,8 @@ class TokenDelta(msgspec.Struct, frozen=True, tag="token"):
     tokens: int
     queue_wait_ms: int | None = None
     """On an attempt's first token only: from the call's publish to its engine start."""
+    worker_id: str | None = None
+    """On an attempt's first token only: the worker running the attempt."""
 
 
 class Done(msgspec.Struct, frozen=True, tag="done"):

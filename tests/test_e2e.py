@@ -65,6 +65,7 @@ async def test_non_streamed_completion_over_http(stack: Stack) -> None:
     assert usage["prompt_tokens"] > 0
     assert usage["total_tokens"] == usage["prompt_tokens"] + 9
     assert resp.headers["x-kvgate-call"]
+    assert resp.headers["x-kvgate-worker"] == "w1"  # the worker that answered
 
 
 async def test_streamed_completion_over_http(stack: Stack) -> None:
@@ -73,6 +74,7 @@ async def test_streamed_completion_over_http(stack: Stack) -> None:
         resp = await client.post("/v1/chat/completions", json=body)
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/event-stream")
+    assert resp.headers["x-kvgate-worker"] == "w1"
     events = sse_events(resp.content)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]

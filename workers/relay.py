@@ -28,16 +28,22 @@ class ReplyRelay:
     """Numbers events from 0 and refuses anything after the terminal event, so a caller never
     sees two endings for one attempt."""
 
-    def __init__(self, nc: NATS, inbox: str, attempt: int) -> None:
+    def __init__(self, nc: NATS, inbox: str, attempt: int, worker_id: str) -> None:
         self._nc = nc
         self._inbox = inbox
         self._attempt = attempt
+        self._worker_id = worker_id
         self._seq = 0
         self.tokens_sent = 0
         self.finished = False
 
     async def token(self, text: str, tokens: int, queue_wait_ms: int | None = None) -> None:
-        await self._send(TokenDelta(self._next(), self._attempt, text, tokens, queue_wait_ms))
+        seq = self._next()
+        # The first token names the worker, so the caller can tell which one served it.
+        worker_id = self._worker_id if seq == 0 else None
+        await self._send(
+            TokenDelta(seq, self._attempt, text, tokens, queue_wait_ms, worker_id=worker_id)
+        )
         self.tokens_sent += tokens
 
     async def done(self, finish_reason: FinishReason, usage: Usage) -> None:

@@ -335,7 +335,7 @@ class Worker:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             log.error("malformed call message, terminated: %s", exc)
             if inbox:
-                await ReplyRelay(self.nc, inbox, attempt).fail(
+                await ReplyRelay(self.nc, inbox, attempt, self.options.worker_id).fail(
                     ErrorCode.INTERNAL_ERROR, f"malformed call message: {exc}"
                 )
             await msg.term()
@@ -345,7 +345,7 @@ class Worker:
             relay = ResultRelay(self.nc.jetstream(), result_subject, envelope.call_id, attempt)
         else:
             assert inbox is not None
-            relay = ReplyRelay(self.nc, inbox, attempt)
+            relay = ReplyRelay(self.nc, inbox, attempt, self.options.worker_id)
         call_id = envelope.call_id
         if call_id in self._running or call_id in self._staged:
             await msg.nak()  # a second delivery while the first is still here

@@ -51,6 +51,8 @@ T = TypeVar("T")
 
 CALL_ID_HEADER = "X-Kvgate-Call"
 SESSION_ID_HEADER = "X-Kvgate-Session"
+WORKER_ID_HEADER = "X-Kvgate-Worker"
+"""The worker whose attempt answered (streamed: the one that sent the first token)."""
 
 _BODY_SCHEMA = {
     "requestBody": {
@@ -101,7 +103,9 @@ async def create_chat_completion(
     headers = {CALL_ID_HEADER: call.call_id, SESSION_ID_HEADER: record.id}
     if not chat.stream:
         async with contextlib.aclosing(events):
-            completion = await _unless_disconnected(request, _collect(call, events))
+            completion, worker_id = await _unless_disconnected(request, _collect(call, events))
+        if worker_id is not None:
+            headers[WORKER_ID_HEADER] = worker_id
         return JSONResponse(completion.model_dump(), headers=headers)
     include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
     # Wait for the first event before answering, so that anything that goes wrong before the
@@ -114,6 +118,8 @@ async def create_chat_completion(
     if isinstance(first, list) and first and isinstance(first[0], Failed):
         await events.aclose()
         raise failure_error(first[0])
+    if isinstance(first, list) and (worker_id := _worker_of(first)) is not None:
+        headers[WORKER_ID_HEADER] = worker_id
     return StreamingResponse(
         _sse(call, first, events, include_usage),
         media_type="text/event-stream",
@@ -159,21 +165,29 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+def _worker_of(events: list[ReplyEvent]) -> str | None:
+    return next((e.worker_id for e in events if isinstance(e, TokenDelta) and e.worker_id), None)
+
+
 async def _collect(
     call: CallEnvelope, events: AsyncIterator[list[ReplyEvent] | Restarted]
-) -> ChatCompletion:
+) -> tuple[ChatCompletion, str | None]:
+    """The whole answer, and the worker whose attempt gave it."""
     parts: list[str] = []
+    worker_id: str | None = None
     async for item in events:
         if isinstance(item, Restarted):
             parts.clear()  # nothing was sent yet: the new attempt's answer replaces it
+            worker_id = None
             continue
+        worker_id = _worker_of(item) or worker_id
         for event in item:
             if isinstance(event, TokenDelta):
                 parts.append(event.text)
             elif isinstance(event, Failed):
                 raise failure_error(event)
             else:
-                return ChatCompletion(
+                completion = ChatCompletion(
                     id=_completion_id(call),
                     created=call.created_ms // 1000,
                     model=call.model,
@@ -185,6 +199,7 @@ async def _collect(
                     ],
                     usage=_usage(event),
                 )
+                return completion, worker_id
     raise KvgateError(ErrorCode.WORKER_LOST, "the reply ended without a terminal event")
 
 
