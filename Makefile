@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvgate-installed
 
-.PHONY: install run test check lint types clean
+.PHONY: install run test check lint types clean bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,12 @@ types: $(STAMP)
 	$(VENV)/bin/mypy
 
 check: lint types
+
+# The agent-session sweep (loadtests/sweep.py), CPU-sized: direct vLLM vs kvgate per-call and
+# session admission from 0.5x to 4x of measured capacity, 3 repeats (under 20 min on 2 cores).
+bench: $(STAMP)
+	$(VENV)/bin/kvgate model build .kvgate/model
+	$(PY) -m loadtests.sweep --profile cpu --model .kvgate/model
 
 clean:
 	rm -rf .kvgate .pytest_cache .mypy_cache .ruff_cache
