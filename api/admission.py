@@ -149,7 +149,7 @@ class Admitter:
                 running=hb.num_running,
                 waiting=hb.num_waiting,
                 max_num_seqs=hb.max_num_seqs,
-                tokens_per_s=self.fleet.tokens_per_s(hb.worker_id),
+                seq_tokens_per_s=self.fleet.seq_tokens_per_s(hb.worker_id),
                 age_s=max(0.0, (now_ms - hb.sent_ms) / 1000),
                 draining=hb.draining,
             )

@@ -41,7 +41,8 @@ class WorkerReading:
     running: int
     waiting: int
     max_num_seqs: int
-    tokens_per_s: float | None
+    seq_tokens_per_s: float | None
+    """Fastest recent decode speed of one sequence on this worker (``FleetView``)."""
     age_s: float
     draining: bool = False
 
@@ -257,7 +258,7 @@ def decide(
 
     # 4. Too slow to finish by its deadline even if it started now, at the fastest speed per
     # sequence the fleet shows. With no speed observed yet, nothing is rejected on a guess.
-    observed = [w.tokens_per_s / w.running for w in serving if w.tokens_per_s and w.running]
+    observed = [w.seq_tokens_per_s for w in serving if w.seq_tokens_per_s]
     if observed:
         rounds = math.ceil(need.expected_calls / need.max_parallel)
         fastest_s = rounds * need.est_output_tokens / max(observed)

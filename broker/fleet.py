@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 
 import msgspec
 from nats.js.kv import KeyValue
@@ -20,17 +21,21 @@ from schemas.wire import WorkerHeartbeat, decode_heartbeat
 log = logging.getLogger(__name__)
 
 
+# How long a per-sequence speed reading counts towards a worker's fastest recent speed.
+SPEED_WINDOW_MS = 60_000
+
+
 class FleetView:
     def __init__(self, max_age_s: float) -> None:
         self.max_age_ms = int(max_age_s * 1000)
         self._workers: dict[str, WorkerHeartbeat] = {}
-        self._tokens_per_s: dict[str, float] = {}
+        self._speeds: dict[str, deque[tuple[int, float]]] = {}
 
     def update(self, key: str, value: bytes | None) -> None:
         """Apply one bucket entry; ``None`` (a delete) removes the worker."""
         if value is None:
             self._workers.pop(key, None)
-            self._tokens_per_s.pop(key, None)
+            self._speeds.pop(key, None)
             return
         try:
             heartbeat = decode_heartbeat(value)
@@ -39,15 +44,28 @@ class FleetView:
             return
         previous = self._workers.get(key)
         if previous is not None and heartbeat.sent_ms > previous.sent_ms:
-            produced = heartbeat.generated_tokens - previous.generated_tokens
-            if produced >= 0:  # a restarted worker starts its counter again
-                seconds = (heartbeat.sent_ms - previous.sent_ms) / 1000
-                self._tokens_per_s[key] = produced / seconds
+            self._measure_speed(key, previous, heartbeat)
         self._workers[key] = heartbeat
 
-    def tokens_per_s(self, worker_id: str) -> float | None:
-        """Output tokens per second between the worker's last two heartbeats."""
-        return self._tokens_per_s.get(worker_id)
+    def _measure_speed(self, key: str, before: WorkerHeartbeat, now: WorkerHeartbeat) -> None:
+        """Decode speed per sequence over one heartbeat interval, counted only when the engine
+        ran calls at both ends of it: an interval that was idle for most of its length would
+        read as a crawl and get sessions rejected as unable to meet their deadlines."""
+        produced = now.generated_tokens - before.generated_tokens
+        if produced <= 0 or not before.num_running or not now.num_running:
+            return  # idle, or a restarted worker whose counter began again
+        seconds = (now.sent_ms - before.sent_ms) / 1000
+        sequences = (before.num_running + now.num_running) / 2
+        readings = self._speeds.setdefault(key, deque())
+        readings.append((now.sent_ms, produced / seconds / sequences))
+        while readings and readings[0][0] < now.sent_ms - SPEED_WINDOW_MS:
+            readings.popleft()
+
+    def seq_tokens_per_s(self, worker_id: str) -> float | None:
+        """The fastest decode speed per sequence the worker showed over the last minute
+        (tokens per second of one sequence); None before it has run calls long enough."""
+        readings = self._speeds.get(worker_id)
+        return max(speed for _, speed in readings) if readings else None
 
     def all(self) -> list[WorkerHeartbeat]:
         """Every worker with an entry, stale ones included (the policy sees their age)."""

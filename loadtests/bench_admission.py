@@ -64,7 +64,7 @@ def bench_policy(decisions: int) -> dict[str, Any]:
             running=20 + i,
             waiting=i % 3,
             max_num_seqs=64,
-            tokens_per_s=900.0 + 10 * i,
+            seq_tokens_per_s=40.0 + i,
             age_s=0.3 * i,
         )
         for i in range(8)

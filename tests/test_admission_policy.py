@@ -43,7 +43,7 @@ def worker(
     draining: bool = False,
     running: int = 2,
     waiting: int = 0,
-    tokens_per_s: float | None = None,
+    seq_tokens_per_s: float | None = None,
 ) -> WorkerReading:
     return WorkerReading(
         worker_id=worker_id,
@@ -52,7 +52,7 @@ def worker(
         running=running,
         waiting=waiting,
         max_num_seqs=16,
-        tokens_per_s=tokens_per_s,
+        seq_tokens_per_s=seq_tokens_per_s,
         age_s=age_s,
         draining=draining,
     )
@@ -178,9 +178,8 @@ def test_a_session_larger_than_its_tier_could_ever_hold_is_rejected() -> None:
 
 
 def test_a_deadline_the_session_cannot_meet_is_rejected_without_retry_after() -> None:
-    # 20 tokens/s over 2 running sequences: 10 tokens/s each. 8 calls, 2 at a time, 50 tokens
-    # each: 4 rounds of 5 s = 20 s.
-    f = fleet(worker(tokens_per_s=20.0, running=2))
+    # 10 tokens/s per sequence. 8 calls, 2 at a time, 50 tokens each: 4 rounds of 5 s = 20 s.
+    f = fleet(worker(seq_tokens_per_s=10.0, running=2))
     decision, reason, retry = run(need(parallel=2, deadline_s=19), f)
     assert (decision, reason, retry) == (Decision.REJECT, Reason.DEADLINE_INFEASIBLE, None)
     assert run(need(parallel=2, deadline_s=21), f)[1] is Reason.ADMITTED
@@ -189,7 +188,7 @@ def test_a_deadline_the_session_cannot_meet_is_rejected_without_retry_after() ->
 
 def test_with_no_observed_speed_no_deadline_is_rejected_on_a_guess() -> None:
     assert run(need(parallel=1, deadline_s=0.5))[1] is Reason.ADMITTED
-    idle = fleet(worker(tokens_per_s=0.0, running=0))
+    idle = fleet(worker(seq_tokens_per_s=None, running=0))
     assert run(need(parallel=1, deadline_s=0.5), idle)[1] is Reason.ADMITTED
 
 
