@@ -43,6 +43,7 @@ from broker.admission_state import (
 from broker.errors import AdmissionUnavailable, DeadlineExceeded, KvgateError, Refused
 from broker.fleet import FleetView
 from broker.ledger import Ledger, LedgerEntry, utcnow
+from broker.overcommit import OvercommitBounds, OvercommitEstimator, fleet_demand
 from broker.settings import ApiSettings
 from broker.telemetry import tracer
 from broker.tenants import Tenancy, Tenant
@@ -102,6 +103,13 @@ class Admitter:
             tiers=tenancy.tiers, kv_overcommit=settings.admission_kv_overcommit
         )
         self.pressure = PressureTracker(self.policy.bands)
+        self.overcommit = OvercommitEstimator(
+            OvercommitBounds(
+                floor=settings.admission_kv_overcommit,
+                ceiling=max(settings.admission_kv_overcommit, settings.admission_kv_overcommit_max),
+                target_use=settings.admission_target_kv_use,
+            )
+        )
         self._rng = random.Random()
         self._slot_freed: dict[str, asyncio.Event] = {}
         self._task: asyncio.Task[None] | None = None
@@ -121,12 +129,14 @@ class Admitter:
     async def _tick(self, interval_s: float) -> None:
         while True:
             now_ms = int(time.time() * 1000)
-            self.pressure.observe(fleet_load(self.snapshot(now_ms), self.max_age_s))
+            snapshot = self.snapshot(now_ms)
+            self.pressure.observe(fleet_load(snapshot, self.max_age_s))
             self.metrics.pressure.set(int(self.pressure.state))
             if self.fallback is not None:
                 await self.fallback.sweep(now_ms)
             try:
                 await self.state.sweep(now_ms)
+                await self._learn_overcommit(snapshot, now_ms)
                 if not self._state_reachable:
                     log.info("admission state reachable again")
                 self._state_reachable = True
@@ -135,6 +145,16 @@ class Admitter:
                     log.error("%s; degraded tiers: %s", exc, self.settings.degraded_tiers)
                 self._state_reachable = False
             await asyncio.sleep(interval_s)
+
+    async def _learn_overcommit(self, snapshot: FleetSnapshot, now_ms: int) -> None:
+        holdings = await self.state.holdings("", now_ms)
+        self.overcommit.observe(
+            now_ms / 1000,
+            reserved=sum(holdings.reserved_by_tier.values()),
+            demand=fleet_demand(snapshot, self.max_age_s),
+            pressure=self.pressure.state,
+        )
+        self.metrics.overcommit.set(self.overcommit.value)
 
     @property
     def max_age_s(self) -> float:
@@ -152,6 +172,8 @@ class Admitter:
                 seq_tokens_per_s=self.fleet.seq_tokens_per_s(hb.worker_id),
                 age_s=max(0.0, (now_ms - hb.sent_ms) / 1000),
                 draining=hb.draining,
+                committed_tokens=hb.committed_tokens,
+                staged=hb.staged,
             )
             for hb in self.fleet.all()
         )
@@ -279,6 +301,7 @@ class Admitter:
             policy,
             max_age_s=self.max_age_s,
             jitter=jitter,
+            overcommit=self.overcommit.value * share,
         )
         if not decision.admitted:
             return None, decision

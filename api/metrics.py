@@ -148,6 +148,11 @@ class FrontDoorMetrics:
             "Admission pressure state: 0 normal, 1 elevated, 2 saturated",
             registry=self.registry,
         )
+        self.overcommit = Gauge(
+            "kvgate_admission_overcommit",
+            "Measured KV over-commit factor: reservations may add up to this times capacity",
+            registry=self.registry,
+        )
         self.lag: list[TierLag] = []
         self.lag_read_s = 0.0
         self.registry.register(_FleetCollector(fleet, self))

@@ -45,6 +45,10 @@ class WorkerReading:
     """Fastest recent decode speed of one sequence on this worker (``FleetView``)."""
     age_s: float
     draining: bool = False
+    committed_tokens: int | None = None
+    """Worst-case KV tokens of the calls the engine holds (``None`` from an older worker)."""
+    staged: int = 0
+    """Calls the worker fetched and holds back until they fit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,18 +212,26 @@ def decide(
     *,
     max_age_s: float,
     jitter: float,
+    overcommit: float | None = None,
 ) -> AdmissionDecision:
-    """``jitter`` in [0, 1) spreads retries: ``Retry-After`` estimates are scaled by 0.8 to 1.2."""
+    """``jitter`` in [0, 1) spreads retries: ``Retry-After`` estimates are scaled by 0.8 to 1.2.
+    ``overcommit``, the measured factor (``broker.overcommit``), replaces the policy's static
+    one for what may be reserved now; whether a session could *ever* fit is judged by the
+    static one, so that a rejection does not depend on the moment it was asked."""
     live = [w for w in fleet.workers if w.age_s <= max_age_s]
     serving = [w for w in live if not w.draining]
-    capacity = int(sum(w.kv_capacity_tokens or 0 for w in serving) * policy.kv_overcommit)
+    physical = sum(w.kv_capacity_tokens or 0 for w in serving)
+    factor = policy.kv_overcommit if overcommit is None else max(overcommit, policy.kv_overcommit)
+    capacity = int(physical * factor)
     limits = tier_limits(policy, capacity)
+    ceilings = tier_limits(policy, int(physical * policy.kv_overcommit))
     groups = group_reserved(holdings.reserved_by_tier)
     reserved = groups[0]
     signals: dict[str, float | int | str | None] = {
         "workers_live": len(live),
         "workers_stale": len(fleet.workers) - len(live),
         "capacity_tokens": capacity,
+        "overcommit": round(factor, 3),
         "reserved_tokens": reserved,
         "need_tokens": need.reserve_tokens,
         "pressure": pressure.name.lower(),
@@ -253,7 +265,7 @@ def decide(
 
     # 3. Bigger than the tier could ever hold on this fleet.
     index = TIERS_BY_PRIORITY.index(need.tier)
-    if need.reserve_tokens > limits[index]:
+    if need.reserve_tokens > ceilings[index]:
         return answer(Decision.REJECT, Reason.EXCEEDS_CAPACITY, MAX_RETRY_AFTER_S)
 
     # 4. Too slow to finish by its deadline even if it started now, at the fastest speed per

@@ -67,8 +67,13 @@ class ApiSettings(BaseSettings):
     ledger_queue: int = Field(default=10_000, ge=1)
     replica_id: str | None = None
     # Reservations may add up to this many times the fleet's KV capacity: above 1, admitted
-    # sessions accept waiting in JetStream for their turn at the cache.
+    # sessions accept waiting in JetStream for their turn at the cache. It is the floor of the
+    # measured factor (broker/overcommit.py), which may rise to `admission_kv_overcommit_max`
+    # while sessions use less than they reserve; set both equal to turn learning off.
     admission_kv_overcommit: float = Field(default=1.0, gt=0, le=100)
+    admission_kv_overcommit_max: float = Field(default=4.0, gt=0, le=100)
+    # The share of the KV cache that admitted sessions' measured demand is planned to fill.
+    admission_target_kv_use: float = Field(default=0.8, gt=0, le=1)
     # Redis down: these tiers are admitted against a local budget of `degraded_share` of the
     # fleet (set it to 1/replicas so replicas together cannot over-admit); others are refused.
     degraded_tiers: list[Tier] = Field(default_factory=lambda: [Tier.GUARANTEED])

@@ -69,12 +69,12 @@ class Profile:
     repeats: int = 3
     window_s: float = 10.0
     capacity: float | None = None
-    capacity_start: float = 0.5
+    capacity_start: float = 1.0
     capacity_step: float = 1.5
     capacity_threshold: float = 0.9
     capacity_max_probes: int = 7
     ttft_factor: float = 30.0
-    tpot_factor: float = 5.0
+    tpot_factor: float = 10.0
     probe_calls: int = 20
     heartbeat_s: float = 0.5
     seed: int = 7
@@ -302,6 +302,8 @@ class Sweep:
         agent = Agent(Target(mode, served.base_url), http, self.words)
         samples: list[Sample] = []
         sampler = asyncio.create_task(self._sample(served, http, agent, samples))
+        lags: list[float] = []
+        lag_watch = asyncio.create_task(loop_lag(lags))
         started_unix = time.time()
 
         async def one(session: SessionTrace) -> SessionOutcome:
@@ -312,6 +314,7 @@ class Sweep:
             outcomes = list(await asyncio.gather(*(one(s) for s in trace)))
         finally:
             sampler.cancel()
+            lag_watch.cancel()
         ended_unix = time.time()
         busy = max((o.ended_s or 0.0 for o in outcomes), default=0.0)
         await self._settle(served, http)
@@ -324,6 +327,10 @@ class Sweep:
             busy_s=busy or None,
         )
         summary["signals_moved"] = signals_moved(samples)
+        # The load client's own event loop: a stall here would show as latency that no
+        # server caused.
+        summary["client_loop_lag_s"] = latency_summary(lags)
+        summary["client_loop_lag_s"]["max"] = max(lags, default=None)
         point = PointResult(
             mode, load, rate, repeat, seed, outcomes, samples, summary, started_unix, ended_unix
         )
@@ -483,6 +490,15 @@ def _http() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
     )
+
+
+async def loop_lag(out: list[float], interval_s: float = 0.01) -> None:
+    """How late this event loop wakes from a short sleep, every ``interval_s``."""
+    loop = asyncio.get_running_loop()
+    while True:
+        asked = loop.time()
+        await asyncio.sleep(interval_s)
+        out.append(loop.time() - asked - interval_s)
 
 
 def vocabulary_words(model: Path) -> list[str]:

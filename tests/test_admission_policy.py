@@ -111,6 +111,7 @@ def run(
     pressure: Pressure = Pressure.NORMAL,
     jitter: float = 0.5,
     policy: AdmissionPolicy = POLICY,
+    overcommit: float | None = None,
 ) -> tuple[Decision, Reason, int | None]:
     d = decide(
         n or need(),
@@ -121,6 +122,7 @@ def run(
         policy,
         max_age_s=MAX_AGE_S,
         jitter=jitter,
+        overcommit=overcommit,
     )
     return d.decision, d.reason, d.retry_after_s
 
@@ -175,6 +177,22 @@ def test_a_session_larger_than_its_tier_could_ever_hold_is_rejected() -> None:
         Reason.EXCEEDS_CAPACITY,
     )
     assert run(need(Tier.GUARANTEED, parallel=21))[:2] == (Decision.ADMIT, Reason.ADMITTED)
+
+
+def test_a_measured_overcommit_lets_reservations_exceed_the_cache_but_not_what_never_fits() -> None:
+    # 10,000 tokens, standard may hold 80%: 7,500 reserved + 1,000 more does not fit at 1x...
+    full = holdings(standard=7_500)
+    assert run(need(parallel=4), h=full)[:2] == (Decision.DEFER, Reason.TIER_CAPACITY)
+    # ...but does where sessions are measured to use half of what they reserve.
+    assert run(need(parallel=4), h=full, overcommit=2.0)[:2] == (Decision.ADMIT, Reason.ADMITTED)
+    # Whether a session could ever fit does not depend on the measurement: best-effort may
+    # hold 5,000 tokens of this fleet, and 5,250 never fits, however the factor moves.
+    big = need(Tier.BESTEFFORT, parallel=21)
+    assert run(big, overcommit=4.0)[:2] == (Decision.REJECT, Reason.EXCEEDS_CAPACITY)
+    # A measured factor below the operator's floor is not used.
+    assert run(need(parallel=4), h=full, overcommit=0.5, policy=replace(POLICY, kv_overcommit=2))[
+        :2
+    ] == (Decision.ADMIT, Reason.ADMITTED)
 
 
 def test_a_deadline_the_session_cannot_meet_is_rejected_without_retry_after() -> None:
