@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from broker.errors import KvgateError
 from schemas.openai import ErrorBody, ErrorDetail
@@ -118,6 +119,14 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         return JSONResponse(body.to_json(), status, headers=getattr(exc, "headers", None))
 
+    async def on_disconnect(_: Request, exc: Exception) -> JSONResponse:
+        # The caller went away before its request was read (an agent giving up on a call at
+        # its deadline does this): nothing was admitted or queued, and nobody reads the answer.
+        log.debug("client disconnected before its request was read")
+        return error_response(
+            KvgateError(ErrorCode.CANCELLED, "the client disconnected before its request was read")
+        )
+
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
         return error_response(KvgateError(ErrorCode.INTERNAL_ERROR, "internal error"))
@@ -125,4 +134,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(KvgateError, on_kvgate_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(ClientDisconnect, on_disconnect)
     app.add_exception_handler(Exception, on_unexpected)

@@ -261,6 +261,28 @@ async def test_unknown_route_and_method_are_json_errors(stack: Stack) -> None:
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
 
 
+async def test_a_caller_gone_before_its_body_was_read_is_no_server_error(stack: Stack) -> None:
+    # An agent giving up on a call can close the connection before the front door has read
+    # the request body: nothing was admitted, nobody reads an answer, nothing is logged as an
+    # error, and the front door keeps serving.
+    host, port = stack.base_url.removeprefix("http://").split(":")
+    _reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: kvgate\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 4000\r\n\r\n" + b'{"model": '
+    )
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        await asyncio.sleep(0.3)  # the front door notices the disconnect on its next read
+        after = await client.post("/v1/chat/completions", json=chat_body(max_tokens=4))
+    assert after.status_code == 200
+    log = (stack.log_dir / f"api-{port}.log").read_text()
+    assert "ClientDisconnect" not in log
+    assert "unhandled error" not in log
+
+
 def test_kvgate_workers_lists_the_live_worker(stack: Stack) -> None:
     import subprocess
 
