@@ -305,6 +305,31 @@ async def test_a_session_the_fleet_cannot_hold_now_is_deferred_with_an_honest_re
     assert after_release.status_code == 201
 
 
+async def test_reservations_nobody_uses_let_admission_over_commit_the_cache(door: Door) -> None:
+    # Two sessions hold most of the standard share (2 x 1,200 of 3,276 tokens) and never call:
+    # the measured demand stays zero. A third is deferred at first (fresh reservations
+    # are not slack); once 10 s of evidence show the reservations unused, the measured factor
+    # rises and the same request is admitted.
+    async with door.client() as client:
+        held = [
+            await client.post("/v1/sessions", json=session_body(max_parallel=8)) for _ in range(2)
+        ]
+        first = await client.post("/v1/sessions", json=session_body(max_parallel=8))
+
+        async def factor() -> float:
+            text = (await client.get("/metrics")).text
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            return float(families["kvgate_admission_overcommit"].samples[0].value)
+
+        learned = await poll_until(factor, lambda v: v >= 1.3, timeout_s=40, interval_s=0.5)
+        later = await client.post("/v1/sessions", json=session_body(max_parallel=8))
+    assert [r.status_code for r in held] == [201, 201]
+    assert first.status_code == 503
+    assert first.json()["error"]["code"] == "tier_capacity"
+    assert later.status_code == 201, later.text
+    assert learned <= 4.0  # KVGATE_ADMISSION_KV_OVERCOMMIT_MAX
+
+
 async def test_a_call_with_no_session_is_a_one_call_session(door: Door) -> None:
     async with door.client() as client:
         resp = await client.post("/v1/chat/completions", json=chat())
