@@ -147,10 +147,9 @@ class Admitter:
             await asyncio.sleep(interval_s)
 
     async def _learn_overcommit(self, snapshot: FleetSnapshot, now_ms: int) -> None:
-        holdings = await self.state.holdings("", now_ms)
         self.overcommit.observe(
             now_ms / 1000,
-            reserved=sum(holdings.reserved_by_tier.values()),
+            reserved=await self.state.reserved_tokens(),
             demand=fleet_demand(snapshot, self.max_age_s),
             pressure=self.pressure.state,
         )

@@ -30,12 +30,16 @@ class FleetView:
         self.max_age_ms = int(max_age_s * 1000)
         self._workers: dict[str, WorkerHeartbeat] = {}
         self._speeds: dict[str, deque[tuple[int, float]]] = {}
+        # The fastest of each worker's readings, kept here because every admission decision
+        # reads it and heartbeats arrive far less often than decisions.
+        self._fastest: dict[str, float] = {}
 
     def update(self, key: str, value: bytes | None) -> None:
         """Apply one bucket entry; ``None`` (a delete) removes the worker."""
         if value is None:
             self._workers.pop(key, None)
             self._speeds.pop(key, None)
+            self._fastest.pop(key, None)
             return
         try:
             heartbeat = decode_heartbeat(value)
@@ -60,12 +64,12 @@ class FleetView:
         readings.append((now.sent_ms, produced / seconds / sequences))
         while readings and readings[0][0] < now.sent_ms - SPEED_WINDOW_MS:
             readings.popleft()
+        self._fastest[key] = max(speed for _, speed in readings)
 
     def seq_tokens_per_s(self, worker_id: str) -> float | None:
         """The fastest decode speed per sequence the worker showed over the last minute
         (tokens per second of one sequence); None before it has run calls long enough."""
-        readings = self._speeds.get(worker_id)
-        return max(speed for _, speed in readings) if readings else None
+        return self._fastest.get(worker_id)
 
     def all(self) -> list[WorkerHeartbeat]:
         """Every worker with an entry, stale ones included (the policy sees their age)."""

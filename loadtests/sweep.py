@@ -402,8 +402,9 @@ class Sweep:
 
     def _write(self, summary: dict[str, Any]) -> None:
         run = self.run_dir
+        manifest = self._manifest()
         (run / "summary.json").write_text(json.dumps(summary, indent=2))
-        (run / "manifest.json").write_text(json.dumps(self._manifest(), indent=2))
+        (run / "manifest.json").write_text(json.dumps(manifest, indent=2))
         with (run / "calls.jsonl").open("w") as calls, (run / "sessions.jsonl").open("w") as ss:
             for p in self.points:
                 tags = {"mode": p.mode.value, "load": p.load, "rate": p.rate, "repeat": p.repeat}
@@ -422,7 +423,7 @@ class Sweep:
         with (run / "decisions.jsonl").open("w") as out:
             for d in self.decisions:
                 out.write(json.dumps(d, default=str) + "\n")
-        report.write(run, summary, self._manifest(), self.points)
+        report.write(run, summary, manifest, self.points)
 
     def _manifest(self) -> dict[str, Any]:
         from importlib import metadata

@@ -27,7 +27,6 @@ from typing import Any
 
 import aiohttp
 
-from schemas.vocab import TIERS_BY_PRIORITY
 from tests.procs import Proc, free_port
 
 
@@ -54,6 +53,18 @@ class EngineConfig:
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "OMP_NUM_THREADS": str(self.omp_threads),
             "VLLM_CPU_KVCACHE_SPACE": "1",
+        }
+
+    def worker_env(self) -> dict[str, str]:
+        """The same engine as ``kvgate worker`` settings (``KVGATE_WORKER_*``)."""
+        return {
+            **self.env(),
+            "KVGATE_SERVED_MODEL_NAME": self.served_model_name,
+            "KVGATE_WORKER_MAX_NUM_SEQS": str(self.max_num_seqs),
+            "KVGATE_WORKER_BLOCK_SIZE": str(self.block_size),
+            "KVGATE_WORKER_NUM_GPU_BLOCKS_OVERRIDE": str(self.num_blocks),
+            "KVGATE_WORKER_MAX_MODEL_LEN": str(self.max_model_len),
+            "KVGATE_WORKER_ENFORCE_EAGER": "true",
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -157,15 +168,9 @@ class KvgateStack:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         env = {
-            **engine.env(),
+            **engine.worker_env(),
             "KVGATE_NATS_URL": self.nats.url,
             "KVGATE_DATABASE_URL": f"sqlite:///{self.ledger}",
-            "KVGATE_SERVED_MODEL_NAME": engine.served_model_name,
-            "KVGATE_WORKER_MAX_NUM_SEQS": str(engine.max_num_seqs),
-            "KVGATE_WORKER_BLOCK_SIZE": str(engine.block_size),
-            "KVGATE_WORKER_NUM_GPU_BLOCKS_OVERRIDE": str(engine.num_blocks),
-            "KVGATE_WORKER_MAX_MODEL_LEN": str(engine.max_model_len),
-            "KVGATE_WORKER_ENFORCE_EAGER": "true",
             "KVGATE_WORKER_HEARTBEAT_INTERVAL_S": str(heartbeat_s),
             "KVGATE_LOG_FORMAT": "text",
             **extra_env,
@@ -216,13 +221,12 @@ class KvgateStack:
         return int(beat.generated_tokens) if beat is not None else 0
 
     async def sample(self, http: aiohttp.ClientSession, t_s: float) -> Sample:
-        from broker.lag import tier_lag
+        from broker.lag import fleet_lag
 
         beat = self._heartbeat()
         pending: int | None = None
         with contextlib.suppress(Exception):
-            js = self._nc.jetstream()
-            pending = sum([(await tier_lag(js, tier)).pending for tier in TIERS_BY_PRIORITY])
+            pending = sum(row.pending for row in await fleet_lag(self._nc.jetstream()))
         return Sample(
             t_s=t_s,
             kv_usage=None if beat is None else beat.kv_cache_usage,

@@ -180,10 +180,10 @@ async def _collect(
             parts.clear()  # nothing was sent yet: the new attempt's answer replaces it
             worker_id = None
             continue
-        worker_id = _worker_of(item) or worker_id
         for event in item:
             if isinstance(event, TokenDelta):
                 parts.append(event.text)
+                worker_id = event.worker_id or worker_id
             elif isinstance(event, Failed):
                 raise failure_error(event)
             else:
