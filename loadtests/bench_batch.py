@@ -26,11 +26,12 @@ import httpx
 from loadtests.bench_worker import (
     BURST_BLOCKS,
     FAILURES,
-    KvgateStack,
     ensure_model,
+    on_kvgate,
     percentile,
     stream_call,
 )
+from loadtests.targets import KvgateStack
 
 OBJECTIVE_S = 1.0
 
@@ -118,12 +119,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
         root = Path(tmp)
         model = ensure_model(args.model, root)
-        stack = KvgateStack(model, BURST_BLOCKS, root)
-        try:
-            stack.wait_ready()
-            result = asyncio.run(run(stack, args))
-        finally:
-            stack.close()
+        result = asyncio.run(on_kvgate(model, BURST_BLOCKS, root, lambda s: run(s, args)))
     report = {
         "command": "python -m loadtests.bench_batch " + " ".join(sys.argv[1:]),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -21,10 +21,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+
+from loadtests.targets import EngineConfig, KvgateStack
+
+T = TypeVar("T")
 
 ENGINE_ENV = {
     "KVGATE_WORKER_MAX_NUM_SEQS": "16",
@@ -96,56 +101,24 @@ async def run_direct(model: Path, calls: int, max_tokens: int) -> dict[str, Any]
 # -- through kvgate ------------------------------------------------------------------------
 
 
-class KvgateStack:
-    def __init__(self, model: Path, blocks: str, root: Path) -> None:
-        from broker.natsserver import EmbeddedNats
-        from tests.procs import free_port
+# This benchmark measures the worker's pull gate under overload: admission lets the whole
+# burst in (16 caches' worth of one-call sessions) and the guaranteed tier is open to the
+# development tenant.
+BENCH_ADMISSION = {"KVGATE_ADMISSION_KV_OVERCOMMIT": "16", "KVGATE_DEV_TENANT_TIER": "guaranteed"}
 
-        self.root = root
-        self.nats = EmbeddedNats(root / "nats").start()
-        env = {**os.environ, **ENGINE_ENV, "KVGATE_NATS_URL": self.nats.url}
-        env["KVGATE_WORKER_NUM_GPU_BLOCKS_OVERRIDE"] = blocks
-        # This benchmark measures the worker's pull gate under overload: admission lets the
-        # whole burst in (16 caches' worth of one-call sessions) and the guaranteed tier is
-        # open to the development tenant.
-        env["KVGATE_ADMISSION_KV_OVERCOMMIT"] = "16"
-        env["KVGATE_DEV_TENANT_TIER"] = "guaranteed"
-        env["KVGATE_DATABASE_URL"] = f"sqlite:///{root}/ledger.db"
-        self.port = free_port()
-        cli = [sys.executable, "-m", "broker.cli"]
-        log = (root / "worker.log").open("wb")
-        self.worker = subprocess.Popen(
-            [*cli, "worker", "--model", str(model), "--worker-id", "bench"],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        api_log = (root / "api.log").open("wb")
-        self.api = subprocess.Popen(
-            [*cli, "--log-level", "WARNING", "api", "--port", str(self.port)],
-            env=env, stdout=api_log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        self.base_url = f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.base_url + "/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.worker.poll() is not None or self.api.poll() is not None:
-                raise RuntimeError(f"kvgate exited during start-up; logs in {self.root}")
-            time.sleep(0.5)
-        raise TimeoutError("kvgate not ready")
-
-    def close(self) -> None:
-        for proc in (self.api, self.worker):
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        self.nats.stop()
+async def on_kvgate(
+    model: Path, blocks: str, root: Path, run: Callable[[KvgateStack], Awaitable[T]]
+) -> T:
+    """``run`` against NATS, one worker (``ENGINE_ENV``'s engine) and the front door."""
+    engine = EngineConfig(model=model, num_blocks=int(blocks))
+    stack = KvgateStack(engine, root, heartbeat_s=0.5, extra_env=BENCH_ADMISSION)
+    try:
+        await stack.start()
+        return await run(stack)
+    finally:
+        await stack.close()
+        stack.stop()
 
 
 async def stream_call(
@@ -331,24 +304,21 @@ def main() -> int:
         (root / "t").mkdir()
         if args.guaranteed_reserve is not None:
             os.environ["KVGATE_WORKER_GUARANTEED_RESERVE"] = str(args.guaranteed_reserve)
-        stack = KvgateStack(model, THROUGHPUT_BLOCKS, root / "t")
-        try:
-            stack.wait_ready()
-            through = asyncio.run(run_kvgate_throughput(stack, args.calls, args.max_tokens))
-        finally:
-            stack.close()
+        through = asyncio.run(
+            on_kvgate(
+                model,
+                THROUGHPUT_BLOCKS,
+                root / "t",
+                lambda stack: run_kvgate_throughput(stack, args.calls, args.max_tokens),
+            )
+        )
 
         os.environ.pop("KVGATE_WORKER_GUARANTEED_RESERVE", None)
         burst: dict[str, Any] = {}
         if not args.skip_burst:
             print("burst ...", flush=True)
             (root / "b").mkdir()
-            stack = KvgateStack(model, BURST_BLOCKS, root / "b")
-            try:
-                stack.wait_ready()
-                burst = asyncio.run(run_burst(stack))
-            finally:
-                stack.close()
+            burst = asyncio.run(on_kvgate(model, BURST_BLOCKS, root / "b", run_burst))
 
     efficiency = {
         mode: result["tokens_per_s"] / direct["tokens_per_s"] for mode, result in through.items()
