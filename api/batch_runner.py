@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -35,7 +36,7 @@ from nats.js import JetStreamContext
 from sqlalchemy.engine import Engine
 
 from api.admission import Admitter
-from api.chat_request import estimate_prompt_tokens, parse_chat_request, to_envelope
+from api.chat_request import parse_chat_request, to_envelope
 from broker import batches as store
 from broker.admission import SessionNeed
 from broker.batches import BatchRow, BatchStatus, LineRow, LineStatus
@@ -225,8 +226,8 @@ class BatchRunner:
             tier=Tier(batch.tier),
             max_parallel=widest_group(lines),
             expected_calls=len(lines),
-            est_prompt_tokens=max(estimate_prompt_tokens(call) for call in calls),
-            est_output_tokens=max(call.sampling.max_tokens for call in calls),
+            est_prompt_tokens=max(call.est_prompt_tokens for call in calls),
+            est_output_tokens=max(call.max_tokens for call in calls),
             deadline_s=max(1.0, left_s),
         )
         try:
@@ -251,10 +252,16 @@ class BatchRunner:
 
     def _envelope(self, batch: BatchRow, line: LineRow, session_id: str) -> CallEnvelope:
         """The line's call, with its fixed call id and the batch window as its deadline."""
-        chat = parse_chat_request(msgspec.json.encode(line.body), self.settings)
+        body = msgspec.json.encode(line.body)
+        chat = parse_chat_request(body, self.settings)
         left_s = max(0.001, (batch.expires_at - utcnow()).total_seconds())
         call = to_envelope(
-            chat, self.settings, tier=Tier(batch.tier), timeout_s=left_s, session_id=session_id
+            chat,
+            body,
+            self.settings,
+            tier=Tier(batch.tier),
+            timeout_s=left_s,
+            session_id=session_id,
         )
         return msgspec.structs.replace(call, call_id=line.call_id)
 
@@ -351,26 +358,8 @@ def _error(code: str, message: str) -> dict[str, Any]:
 
 def _outcome(result: CallResult) -> tuple[str, LineStatus, dict[str, Any] | None, str | None]:
     if result.error_code is None:
-        usage = result.usage
-        body = {
-            "id": f"chatcmpl-{result.call_id}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": result.text or ""},
-                    "finish_reason": result.finish_reason.value if result.finish_reason else None,
-                }
-            ],
-            "usage": None
-            if usage is None
-            else {
-                "prompt_tokens": usage.prompt_tokens,
-                "completion_tokens": usage.completion_tokens,
-                "total_tokens": usage.total_tokens,
-            },
-        }
+        # vLLM's own response body, as a non-streamed call would have received it.
+        body = json.loads(result.body) if result.body is not None else None
         return result.call_id, LineStatus.COMPLETED, {"status_code": 200, "body": body}, None
     code = result.error_code
     status = {

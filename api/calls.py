@@ -20,7 +20,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from api.replies import ReplyEvent
 from api.state import FrontDoor
-from broker.errors import DeadlineExceeded, KvgateError
+from broker.errors import DeadlineExceeded, InvalidRequest, KvgateError
 from broker.telemetry import inject_headers, tracer
 from schemas.vocab import ErrorCode
 from schemas.wire import CANCEL_SUBJECT_PREFIX, CallEnvelope, Done, Failed, TokenDelta
@@ -155,6 +155,10 @@ class _CallObservation:
                 if event.queue_wait_ms is not None:
                     self._metrics.queue_wait.labels(self._tier).observe(event.queue_wait_ms / 1000)
             elif isinstance(event, Done):
+                if event.body is not None:
+                    # Not streamed: the answer's tokens arrive with the body (progress events
+                    # counted none of them).
+                    tokens = event.usage.completion_tokens - self._tokens
                 self._done(event, now)
             elif isinstance(event, Failed):
                 self.ended(event.code.value)
@@ -187,4 +191,18 @@ class _CallObservation:
 def failure_error(event: Failed) -> KvgateError:
     if event.code == ErrorCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(event.message)
-    return KvgateError(event.code, event.message)
+    if event.code in _CALLER_MUST_CHANGE:
+        return InvalidRequest(event.code, event.message, param=event.param)
+    return KvgateError(event.code, event.message, param=event.param)
+
+
+# Codes a worker answers when vLLM's serving layer refused the request.
+_CALLER_MUST_CHANGE = frozenset(
+    {
+        ErrorCode.INVALID_REQUEST,
+        ErrorCode.INVALID_PARAMETER,
+        ErrorCode.UNSUPPORTED_PARAMETER,
+        ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+        ErrorCode.MODEL_NOT_FOUND,
+    }
+)

@@ -1,8 +1,11 @@
-"""Turn an HTTP chat-completions body into a ``CallEnvelope``, or a precise 4xx.
+"""Turn an HTTP chat-completions or completions body into a ``CallEnvelope``, or a precise 4xx.
 
-Parsing is done here rather than by FastAPI's body binding so that each kind of bad input gets
-its own stable code (malformed JSON, missing messages, bad ``max_tokens``...) instead of one
-generic validation error.
+The front door reads only what kvgate decides on (model, output budget, stream, the tier's
+priority) and a prompt-size estimate for admission; the body itself travels to the worker
+unchanged, where vLLM's serving layer reads every other field. Parsing is done here rather
+than by FastAPI's body binding so that each kind of bad input gets its own stable code
+(malformed JSON, missing messages, bad ``max_tokens``...) instead of one generic validation
+error.
 """
 
 from __future__ import annotations
@@ -11,20 +14,24 @@ import json
 import math
 import time
 import uuid
-from typing import Any
+from typing import Any, Final, TypeVar
 
 from fastapi import Request
 from pydantic import ValidationError
 
 from broker.errors import InvalidRequest
 from broker.settings import ApiSettings
-from schemas.openai import ChatCompletionRequest
-from schemas.vocab import ErrorCode, Tier
-from schemas.wire import CallEnvelope, ChatMessage, SamplingParams
+from schemas.openai import ChatCompletionRequest, CompletionRequest, MessagesRequest
+from schemas.vocab import Endpoint, ErrorCode, Tier
+from schemas.wire import CallEnvelope
 
 TIMEOUT_HEADER = "X-Kvgate-Timeout"
 TIER_HEADER = "X-Kvgate-Tier"
 SESSION_HEADER = "X-Kvgate-Session"
+
+RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest, MessagesRequest)
+CallRequest = ChatCompletionRequest | CompletionRequest | MessagesRequest
+"""A request kvgate queues: OpenAI chat completions or completions, or Anthropic messages."""
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -59,25 +66,65 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     return raw
 
 
+# Fields kvgate decides itself, refused by name so that a caller never believes it set them.
+_KVGATE_DECIDES: Final = {
+    "priority": f"the engine priority follows the tier ({TIER_HEADER}) and the session",
+}
+
+
 def parse_chat_request(body: bytes, settings: ApiSettings) -> ChatCompletionRequest:
     raw = parse_json_object(body)
     if "messages" not in raw:
         raise InvalidRequest(ErrorCode.MISSING_MESSAGES, "'messages' is required", param="messages")
+    return _checked(ChatCompletionRequest, raw, settings)
+
+
+def parse_completion_request(body: bytes, settings: ApiSettings) -> CompletionRequest:
+    raw = parse_json_object(body)
+    if "prompt" not in raw:
+        raise InvalidRequest(ErrorCode.INVALID_REQUEST, "'prompt' is required", param="prompt")
+    call = _checked(CompletionRequest, raw, settings)
+    prompt = call.prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
+        # Each prompt is a request of its own to the engine: sent as separate calls, each is
+        # admitted, queued and fitted to the worker's headroom on its own.
+        raise InvalidRequest(
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            "a list of several prompts is not accepted: send one call per prompt",
+            param="prompt",
+        )
+    return call
+
+
+def parse_messages_request(body: bytes, settings: ApiSettings) -> MessagesRequest:
+    raw = parse_json_object(body)
+    if "messages" not in raw:
+        raise InvalidRequest(ErrorCode.MISSING_MESSAGES, "'messages' is required", param="messages")
+    if "max_tokens" not in raw:
+        raise InvalidRequest(
+            ErrorCode.INVALID_MAX_TOKENS, "'max_tokens' is required", param="max_tokens"
+        )
+    return _checked(MessagesRequest, raw, settings)
+
+
+def _checked(model: type[RequestT], raw: dict[str, Any], settings: ApiSettings) -> RequestT:
+    for name, why in _KVGATE_DECIDES.items():
+        if name in raw:
+            raise InvalidRequest(
+                ErrorCode.UNSUPPORTED_PARAMETER, f"'{name}' is not accepted: {why}", param=name
+            )
     try:
-        chat = ChatCompletionRequest.model_validate(raw)
+        call = model.model_validate(raw)
     except ValidationError as exc:
         raise _from_validation_error(exc) from None
-
-    if chat.model != settings.served_model_name:
+    if call.model != settings.served_model_name:
         raise InvalidRequest(
             ErrorCode.MODEL_NOT_FOUND,
-            f"model {chat.model!r} does not exist; this server serves "
+            f"model {call.model!r} does not exist; this server serves "
             f"{settings.served_model_name!r}",
             param="model",
         )
-    if chat.n != 1:
-        raise InvalidRequest(ErrorCode.UNSUPPORTED_PARAMETER, "only n=1 is supported", param="n")
-    max_tokens = chat.requested_max_tokens()
+    max_tokens = call.requested_max_tokens()
     if max_tokens is not None:
         if max_tokens < 1:
             raise InvalidRequest(
@@ -90,7 +137,7 @@ def parse_chat_request(body: bytes, settings: ApiSettings) -> ChatCompletionRequ
                 f"{settings.max_tokens_limit}",
                 param="max_tokens",
             )
-    return chat
+    return call
 
 
 def _from_validation_error(exc: ValidationError) -> InvalidRequest:
@@ -100,6 +147,8 @@ def _from_validation_error(exc: ValidationError) -> InvalidRequest:
     message = f"{'.'.join(loc) or 'body'}: {first['msg']}"
     if field == "messages":
         return InvalidRequest(ErrorCode.INVALID_MESSAGES, message, param="messages")
+    if field == "prompt":
+        return InvalidRequest(ErrorCode.INVALID_REQUEST, message, param="prompt")
     if field in ("max_tokens", "max_completion_tokens"):
         return InvalidRequest(ErrorCode.INVALID_MAX_TOKENS, message, param=field)
     if field == "model":
@@ -142,39 +191,53 @@ def call_tier(request: Request, settings: ApiSettings, ceiling: Tier | None = No
 
 
 def to_envelope(
-    chat: ChatCompletionRequest,
+    call: CallRequest,
+    body: bytes,
     settings: ApiSettings,
     *,
     tier: Tier,
     timeout_s: float,
     session_id: str | None = None,
 ) -> CallEnvelope:
+    """The call as queued: ``body`` unchanged, with kvgate's decisions beside it."""
     now_ms = int(time.time() * 1000)
     call_id = uuid.uuid4().hex
+    if isinstance(call, ChatCompletionRequest):
+        endpoint = Endpoint.CHAT_COMPLETIONS
+    elif isinstance(call, CompletionRequest):
+        endpoint = Endpoint.COMPLETIONS
+    else:
+        endpoint = Endpoint.MESSAGES
     return CallEnvelope(
         call_id=call_id,
         session_id=session_id or call_id,
         tier=tier,
-        model=chat.model,
-        messages=tuple(ChatMessage(m.role, m.text()) for m in chat.messages),
-        sampling=SamplingParams(
-            max_tokens=chat.requested_max_tokens() or settings.default_max_tokens,
-            temperature=chat.temperature,
-            top_p=chat.top_p,
-            stop=chat.stop_sequences(),
-            seed=chat.seed,
-            presence_penalty=chat.presence_penalty,
-            frequency_penalty=chat.frequency_penalty,
-            ignore_eos=chat.ignore_eos,
-        ),
+        model=call.model,
+        endpoint=endpoint,
+        body=body,
+        stream=call.stream,
+        max_tokens=call.requested_max_tokens() or settings.default_max_tokens,
         deadline_ms=now_ms + int(timeout_s * 1000),
         created_ms=now_ms,
+        est_prompt_tokens=estimate_prompt_tokens(call),
     )
 
 
-def estimate_prompt_tokens(call: CallEnvelope) -> int:
+def estimate_prompt_tokens(call: CallRequest) -> int:
     """A front-door estimate of the prompt's tokens (the front door holds no tokenizer):
-    about three characters a token, plus the chat template's few tokens per message. The
-    worker counts exactly; this only sizes the reservation."""
-    chars = sum(len(m.content) for m in call.messages)
+    about three characters a token over what the chat template renders (messages and tools,
+    measured as their JSON), plus a few tokens per message. The worker counts exactly; this
+    only sizes the reservation."""
+    if isinstance(call, CompletionRequest):
+        prompt = call.prompt
+        if isinstance(prompt, str):
+            return max(1, math.ceil(len(prompt) / 3) + 2)
+        if prompt and isinstance(prompt[0], int):
+            return len(prompt)
+        return max(1, math.ceil(len(json.dumps(prompt)) / 3))
+    chars = sum(len(json.dumps(m.model_dump(exclude_none=True))) for m in call.messages)
+    extra = call.model_extra or {}
+    for rendered in ("tools", "system"):  # the system prompt is a field of its own (Anthropic)
+        if extra.get(rendered):
+            chars += len(json.dumps(extra[rendered]))
     return max(1, math.ceil(chars / 3) + 4 * len(call.messages) + 8)

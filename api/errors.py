@@ -8,6 +8,7 @@ a bare 500: an unexpected exception becomes ``internal_error`` and is logged wit
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,7 +18,7 @@ from starlette.requests import ClientDisconnect
 
 from broker.errors import KvgateError
 from schemas.openai import ErrorBody, ErrorDetail
-from schemas.vocab import ErrorCode
+from schemas.vocab import Endpoint, ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -86,17 +87,46 @@ def error_body(exc: KvgateError) -> ErrorBody:
     )
 
 
-def error_response(exc: KvgateError) -> JSONResponse:
+# Anthropic's error types by HTTP status, for /v1/messages.
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(exc: KvgateError) -> dict[str, Any]:
+    """Anthropic's error shape (``{"type": "error", "error": {"type", "message"}}``), with
+    kvgate's code, param and retry_after beside, as in the OpenAI shape."""
+    status = STATUS_BY_CODE[exc.code]
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    error: dict[str, Any] = {"type": kind, "message": exc.message, "code": exc.code.value}
+    if exc.param is not None:
+        error["param"] = exc.param
+    body: dict[str, Any] = {"type": "error", "error": error}
+    if exc.retry_after is not None:
+        body["retry_after"] = exc.retry_after
+    return body
+
+
+def error_response(exc: KvgateError, request: Request | None = None) -> JSONResponse:
+    """The error in the shape of the API the caller spoke: Anthropic's on /v1/messages,
+    OpenAI's everywhere else."""
     headers = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
+    if request is not None and request.url.path == Endpoint.MESSAGES.path:
+        return JSONResponse(anthropic_error_body(exc), STATUS_BY_CODE[exc.code], headers=headers)
     return JSONResponse(error_body(exc).to_json(), STATUS_BY_CODE[exc.code], headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def on_kvgate_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_kvgate_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, KvgateError)
-        return error_response(exc)
+        return error_response(exc, request)
 
-    async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
@@ -105,7 +135,8 @@ def install_error_handlers(app: FastAPI) -> None:
                 ErrorCode.INVALID_REQUEST,
                 str(first.get("msg", "invalid request")),
                 param=".".join(loc) or None,
-            )
+            ),
+            request,
         )
 
     async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
@@ -127,9 +158,9 @@ def install_error_handlers(app: FastAPI) -> None:
             KvgateError(ErrorCode.CANCELLED, "the client disconnected before its request was read")
         )
 
-    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return error_response(KvgateError(ErrorCode.INTERNAL_ERROR, "internal error"))
+        return error_response(KvgateError(ErrorCode.INTERNAL_ERROR, "internal error"), request)
 
     app.add_exception_handler(KvgateError, on_kvgate_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

@@ -77,6 +77,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             "num_gpu_blocks_override": args.num_gpu_blocks_override,
             "enforce_eager": args.enforce_eager or None,
             "worker_id": args.worker_id,
+            "vllm_args": args.vllm_args,
         }.items()
         if value is not None
     }
@@ -251,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--num-gpu-blocks-override", type=int)
     worker.add_argument("--enforce-eager", action="store_true")
     worker.add_argument("--worker-id")
+    worker.add_argument(
+        "--vllm-args",
+        help="further `vllm serve` options in one string, e.g. '--tool-call-parser hermes' "
+        "(KVGATE_WORKER_VLLM_ARGS)",
+    )
     worker.set_defaults(func=cmd_worker)
 
     api = sub.add_parser("api", help="run the front door (settings also from KVGATE_*)")

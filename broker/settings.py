@@ -116,6 +116,10 @@ class WorkerSettings(BaseSettings):
     dtype: str = "auto"
     enforce_eager: bool = False
     cpu_kvcache_space_gib: int = 1
+    # Further `vllm serve` options, as on its command line (`--tool-call-parser hermes
+    # --enable-auto-tool-choice --chat-template t.jinja`), parsed by vLLM's own parser. They
+    # follow the model folder's own defaults (kvgate-serve-args.json), so they win.
+    vllm_args: str = ""
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     # How long one pull request waits at the server for work before it is renewed.
     pull_expires_s: float = Field(default=10.0, gt=0.1)

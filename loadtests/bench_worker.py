@@ -63,7 +63,7 @@ def percentile(values: list[float], q: float) -> float:
 
 async def run_direct(model: Path, calls: int, max_tokens: int) -> dict[str, Any]:
     from broker.settings import WorkerSettings
-    from schemas.wire import ChatMessage, SamplingParams
+    from schemas.vocab import Endpoint
     from workers.engine import EngineRequest
     from workers.main import engine_config
     from workers.vllm_engine import VllmEngine, VllmEngineConfig
@@ -74,15 +74,19 @@ async def run_direct(model: Path, calls: int, max_tokens: int) -> dict[str, Any]
     try:
 
         async def one(i: int) -> int:
+            body = {
+                "model": config.served_model_name,
+                "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+            }
             request = EngineRequest(
-                f"direct-{i}",
-                (ChatMessage("user", PROMPT),),
-                SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                priority=1,
+                f"direct-{i}", Endpoint.CHAT_COMPLETIONS, body, max_tokens, priority=1
             )
             tokens = 0
-            async for delta in engine.generate(engine.prepare(request)):
-                tokens += delta.new_tokens
+            async for output in engine.generate(await engine.prepare(request)):
+                tokens += output.new_tokens
             return tokens
 
         started = time.monotonic()

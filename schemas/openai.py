@@ -7,52 +7,38 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A message as the front door checks it: its role. Everything else (content parts, tool
+    calls, names) is the worker's serving layer's to read."""
 
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    model_config = ConfigDict(extra="allow")
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+    role: Literal["system", "user", "assistant", "developer", "tool", "function"]
+    content: Any = None
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    """Fields kvgate reads. Unknown fields are ignored, as OpenAI SDKs send extras."""
+class _CallRequest(BaseModel):
+    """What kvgate itself reads of a request: the model, the output budget (admission sizes
+    the session by it), whether to stream, the tier's priority. Every other field travels to
+    the worker unchanged, where vLLM's serving layer reads it (and refuses, by name, a field
+    it would ignore)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
-    messages: list[ChatMessageIn] = Field(min_length=1)
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    seed: int | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    user: str | None = None
-    # vLLM extension: keep generating past the end-of-sequence token, up to max_tokens.
-    # Benchmarks use it to make output lengths exact.
-    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=128)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -61,15 +47,44 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("at most 4 stop sequences")
         return value
 
-    def stop_sequences(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        if isinstance(self.stop, str):
-            return (self.stop,)
-        return tuple(self.stop)
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatCompletionRequest(_CallRequest):
+    """``POST /v1/chat/completions``: OpenAI's fields, and vLLM's extensions, as vLLM serves
+    them."""
+
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
+
+class CompletionRequest(_CallRequest):
+    """``POST /v1/completions``: OpenAI's legacy text completions, as vLLM serves them."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+class MessagesRequest(BaseModel):
+    """``POST /v1/messages``: Anthropic's Messages API, as vLLM serves it. kvgate reads the
+    same few fields as for OpenAI's APIs; ``max_tokens`` is required, as in Anthropic's."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_tokens: int
+    stream: bool = False
+
+    @property
+    def n(self) -> int:
+        return 1
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
 
 class Usage(BaseModel):

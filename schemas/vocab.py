@@ -37,6 +37,27 @@ TIERS_BY_PRIORITY: tuple[Tier, ...] = _TIER_ORDER
 class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
+
+
+class Endpoint(enum.StrEnum):
+    """The OpenAI API a call was made to; the worker serves it with vLLM's matching class."""
+
+    CHAT_COMPLETIONS = "chat.completions"
+    COMPLETIONS = "completions"
+    MESSAGES = "messages"
+    """Anthropic's Messages API, as vLLM serves it."""
+
+    @property
+    def path(self) -> str:
+        return _ENDPOINT_PATHS[self]
+
+
+_ENDPOINT_PATHS = {
+    Endpoint.CHAT_COMPLETIONS: "/v1/chat/completions",
+    Endpoint.COMPLETIONS: "/v1/completions",
+    Endpoint.MESSAGES: "/v1/messages",
+}
 
 
 class ErrorCode(enum.StrEnum):

@@ -1,9 +1,13 @@
-"""The wire protocol between the front door and the workers (version 1).
+"""The wire protocol between the front door and the workers (version 2).
 
 Calls travel on JetStream subject ``kvgate.calls.<tier>`` as a msgpack-encoded ``CallEnvelope``
-with the headers named below. Replies travel on core NATS to the inbox named in the
-``Kvgate-Reply`` header, as msgpack-encoded ``ReplyEvent`` values: zero or more ``TokenDelta``
-then exactly one terminal event (``Done`` or ``Failed``) per attempt.
+with the headers named below. The envelope carries the request body exactly as the agent sent
+it (chat completions or completions, every field) beside what kvgate decided about it; the
+worker hands the body to vLLM's own OpenAI serving layer. Replies travel on core NATS to the
+inbox named in the ``Kvgate-Reply`` header, as msgpack-encoded ``ReplyEvent`` values: zero or
+more ``TokenDelta`` (for a streamed call, the server-sent events vLLM produced) then exactly one
+terminal event (``Done``, carrying vLLM's whole response body for a call that was not
+streamed, or ``Failed``) per attempt.
 
 Invariants a reader must not break:
 - ``seq`` starts at 0 for every attempt and grows by one per event; a receiver drops any event
@@ -18,9 +22,9 @@ from typing import Annotated, Final
 
 import msgspec
 
-from schemas.vocab import ErrorCode, FinishReason, Tier
+from schemas.vocab import Endpoint, ErrorCode, FinishReason, Tier
 
-WIRE_VERSION: Final = 1
+WIRE_VERSION: Final = 2
 
 STREAM_NAME: Final = "KVGATE_CALLS"
 CALL_SUBJECT_PREFIX: Final = "kvgate.calls."
@@ -46,33 +50,26 @@ class Header:
     TTL: Final = "Nats-TTL"
 
 
-class ChatMessage(msgspec.Struct, frozen=True):
-    role: str
-    content: str
-
-
-class SamplingParams(msgspec.Struct, frozen=True):
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    ignore_eos: bool = False
-
-
 class CallEnvelope(msgspec.Struct, frozen=True):
-    """One chat call, as queued. ``deadline_ms`` is unix time in milliseconds."""
+    """One call, as queued. ``deadline_ms`` is unix time in milliseconds.
+
+    ``body`` is the caller's JSON request body, unchanged: the worker parses it with vLLM's own
+    request models, so every field vLLM serves reaches the engine. ``max_tokens`` is kvgate's
+    output budget for the call (the caller's, or the front door's default when the caller set
+    none); the worker applies it only when the body names no limit of its own."""
 
     call_id: str
     session_id: str
     tier: Tier
     model: str
-    messages: tuple[ChatMessage, ...]
-    sampling: SamplingParams
+    endpoint: Endpoint
+    body: bytes
+    stream: bool
+    max_tokens: int
     deadline_ms: int
     created_ms: int
+    est_prompt_tokens: int = 0
+    """The front door's estimate of the prompt, which sized the session's reservation."""
     version: int = WIRE_VERSION
 
 
@@ -86,9 +83,18 @@ class Usage(msgspec.Struct, frozen=True):
 
 
 class TokenDelta(msgspec.Struct, frozen=True, tag="token"):
+    """New output of a streamed call: ``sse`` holds one or more complete server-sent events
+    (``data: {...}\n\n``) exactly as vLLM's serving layer wrote them (never ``[DONE]``, which
+    the front door writes after the terminal event); ``tokens`` counts the engine tokens
+    generated since the previous event.
+
+    A call that is not streamed gets token events with an empty ``sse``: one when it starts
+    (naming its worker) and then one every few seconds while it generates, so that the front
+    door can tell a long generation from a lost worker."""
+
     seq: int
     attempt: int
-    text: str
+    sse: str
     tokens: int
     queue_wait_ms: int | None = None
     """On an attempt's first token only: from the call's publish to its engine start."""
@@ -97,17 +103,26 @@ class TokenDelta(msgspec.Struct, frozen=True, tag="token"):
 
 
 class Done(msgspec.Struct, frozen=True, tag="done"):
+    """The attempt finished. ``body`` is vLLM's whole response (JSON) for a call that was not
+    streamed, ``None`` for a streamed one. ``worker_id`` names the worker that answered."""
+
     seq: int
     attempt: int
     finish_reason: FinishReason
     usage: Usage
+    body: bytes | None = None
+    worker_id: str | None = None
 
 
 class Failed(msgspec.Struct, frozen=True, tag="error"):
+    """The attempt ended without an answer. For a request vLLM's serving layer refused,
+    ``message`` and ``param`` are vLLM's own."""
+
     seq: int
     attempt: int
     code: ErrorCode
     message: str
+    param: str | None = None
 
 
 ReplyEvent = Annotated[TokenDelta | Done | Failed, msgspec.Meta(title="ReplyEvent")]
@@ -141,11 +156,12 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True):
 class CallResult(msgspec.Struct, frozen=True):
     """A batch call's outcome, published once per attempt to ``kvgate.results.<batch id>`` on
     the durable ``KVGATE_RESULTS`` stream (``Nats-Msg-Id`` = call id and attempt). Exactly one
-    of ``text``/``error_code`` is set."""
+    of ``body``/``error_code`` is set."""
 
     call_id: str
     attempt: int
-    text: str | None = None
+    body: bytes | None = None
+    """vLLM's whole response body (JSON), as a non-streamed call would have received it."""
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error_code: ErrorCode | None = None

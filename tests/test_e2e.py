@@ -204,7 +204,7 @@ BAD_INPUTS = [
         id="bad-temperature",
     ),
     pytest.param(
-        json.dumps({**chat_body(), "n": 3}).encode(), 400, "unsupported_parameter", id="n-above-1"
+        json.dumps({**chat_body(), "n": 0}).encode(), 400, "invalid_parameter", id="n-below-1"
     ),
     pytest.param(
         json.dumps(chat_body(content="x" * (2 << 20))).encode(),

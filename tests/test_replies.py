@@ -10,7 +10,7 @@ from schemas.wire import Done, Failed, TokenDelta, Usage, decode_event, encode
 
 
 def tok(seq: int, text: str, attempt: int = 1) -> TokenDelta:
-    return TokenDelta(seq=seq, attempt=attempt, text=text, tokens=1)
+    return TokenDelta(seq=seq, attempt=attempt, sse=text, tokens=1)
 
 
 async def test_duplicates_are_dropped_and_batches_coalesce() -> None:
@@ -18,7 +18,7 @@ async def test_duplicates_are_dropped_and_batches_coalesce() -> None:
     for event in (tok(0, "a"), tok(1, "b"), tok(1, "b"), tok(0, "a"), tok(2, "c")):
         stream.feed(event)
     batch = await stream.next_batch(1)
-    assert [e.text for e in batch if isinstance(e, TokenDelta)] == ["a", "b", "c"]
+    assert [e.sse for e in batch if isinstance(e, TokenDelta)] == ["a", "b", "c"]
 
 
 async def test_a_newer_attempt_supersedes_and_older_events_are_ignored() -> None:
@@ -28,7 +28,7 @@ async def test_a_newer_attempt_supersedes_and_older_events_are_ignored() -> None
     stream.feed(tok(1, "b", attempt=1))  # the lost worker's late event
     stream.feed(tok(1, "y", attempt=2))
     batch = await stream.next_batch(1)
-    assert [(e.attempt, e.text) for e in batch if isinstance(e, TokenDelta)] == [
+    assert [(e.attempt, e.sse) for e in batch if isinstance(e, TokenDelta)] == [
         (1, "a"),
         (2, "x"),
         (2, "y"),

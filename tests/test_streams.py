@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -14,8 +15,8 @@ from broker.errors import DeadlineExceeded, QueueFull
 from broker.publisher import CallPublisher
 from broker.settings import StreamSettings
 from broker.streams import provision_calls, workers_bucket
-from schemas.vocab import TIERS_BY_PRIORITY, Tier
-from schemas.wire import STREAM_NAME, CallEnvelope, ChatMessage, Header, SamplingParams
+from schemas.vocab import TIERS_BY_PRIORITY, Endpoint, Tier
+from schemas.wire import STREAM_NAME, CallEnvelope, Header
 
 
 def make_call(
@@ -27,8 +28,12 @@ def make_call(
         session_id="s1",
         tier=tier,
         model="kvgate-dev",
-        messages=(ChatMessage("user", "hi"),),
-        sampling=SamplingParams(max_tokens=4),
+        endpoint=Endpoint.CHAT_COMPLETIONS,
+        body=json.dumps(
+            {"model": "kvgate-dev", "messages": [{"role": "user", "content": "hi"}]}
+        ).encode(),
+        stream=False,
+        max_tokens=4,
         deadline_ms=now_ms + int(deadline_in_s * 1000),
         created_ms=now_ms,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -17,14 +18,12 @@ from broker.natsserver import EmbeddedNats
 from broker.publisher import CallPublisher
 from broker.settings import StreamSettings
 from broker.streams import provision_calls
-from schemas.vocab import ErrorCode, Tier
+from schemas.vocab import Endpoint, ErrorCode, Tier
 from schemas.wire import (
     STREAM_NAME,
     CallEnvelope,
-    ChatMessage,
     Done,
     Failed,
-    SamplingParams,
     TokenDelta,
     decode_event,
     encode,
@@ -71,8 +70,16 @@ def call(
         session_id=call_id,
         tier=tier,
         model="kvgate-sim",
-        messages=(ChatMessage("user", content),),
-        sampling=SamplingParams(max_tokens=max_tokens),
+        endpoint=Endpoint.CHAT_COMPLETIONS,
+        body=json.dumps(
+            {
+                "model": "kvgate-sim",
+                "messages": [{"role": "user", "content": content}],
+                "stream": True,
+            }
+        ).encode(),
+        stream=True,
+        max_tokens=max_tokens,
         deadline_ms=now_ms + int(deadline_in_s * 1000),
         created_ms=now_ms,
     )
@@ -131,6 +138,20 @@ async def harness(nats_server: EmbeddedNats, nc: NATS) -> AsyncIterator[Harness]
         yield h
     finally:
         await h.stop()
+
+
+async def test_a_call_refused_on_arrival_does_not_hold_up_the_next(harness: Harness) -> None:
+    """A call the engine refuses when it arrives (here: too long for the context) used its
+    tier's pull credit; the worker must ask for more at once, not when the pull expires."""
+    await harness.start_worker(pull_expires_s=60)
+    refused = await harness.send(call("too-long", content="w " * 3000))
+    await asyncio.wait_for(refused.ended.wait(), 10)
+    assert isinstance(refused.terminal, Failed)
+    assert refused.terminal.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    # Generous (the pull request would keep the tier waiting 60 s), stated once.
+    following = await harness.send(call("next", max_tokens=3))
+    await asyncio.wait_for(following.ended.wait(), 20)
+    assert isinstance(following.terminal, Done)
 
 
 async def test_calls_complete_with_one_terminal_event(harness: Harness) -> None:

@@ -12,18 +12,51 @@ import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 SPEC_FILE: Final = "kvgate-devmodel.json"
+SERVE_ARGS_FILE: Final = "kvgate-serve-args.json"  # read by workers.vllm_engine
+_TOOL_TOKENS: Final = ["<tool_call>", "</tool_call>"]
 
-# A chat template in the Llama-3 style, written for this tokenizer's special tokens.
+# A chat template in the Llama-3 style, written for this tokenizer's special tokens, that also
+# renders tools, assistant tool calls and tool results the way Hermes-style models do
+# (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``), so that vLLM's ``hermes``
+# tool-call parser reads what the model writes. A conversation without tools renders exactly
+# as before tools were added.
 CHAT_TEMPLATE: Final = (
     "{{ bos_token }}"
+    "{% if tools %}<|start|>system\nYou may call these tools; write each call as "
+    '<tool_call>{"name": ..., "arguments": {...}}</tool_call>.\n<tools>\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools><|end|>\n{% endif %}"
     "{% for message in messages %}"
-    "<|start|>{{ message['role'] }}\n{{ message['content'] }}<|end|>\n"
+    "<|start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'tool' %}<tool_response>\n{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'tool' %}\n</tool_response>{% endif %}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}<tool_call>\n"
+    "{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": "
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}}\n</tool_call>"
+    "{% endfor %}{% endif %}"
+    "<|end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
 )
+
+SERVE_ARGS: Final = [
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--tool-strict-level",
+    "parameter",
+]
+"""The ``vllm serve`` options this model needs, written beside it (``kvgate-serve-args.json``)
+for the worker to apply: the tool-call parser that matches its chat template, and arguments
+held to each tool's schema even when the tool is not ``strict`` (random weights would write
+anything there; Anthropic's tools carry no ``strict`` flag)."""
 
 _WORDS: Final = [
     "the",
@@ -185,10 +218,35 @@ class DevModelSpec:
     max_position_embeddings: int = 2048
     seed: int = 0
     corpus_lines: int = 4000
+    template_version: int = 2
+    """Raised whenever the chat template, its special tokens or the weight shaping change, so
+    old builds rebuild."""
 
     @property
     def head_size(self) -> int:
         return self.hidden_size // self.num_heads
+
+
+def _never_only_whitespace(model: Any, tokenizer: Any) -> None:
+    """Make tokens that are nothing but whitespace all but impossible to sample.
+
+    Random weights otherwise fill the optional whitespace that JSON grammars allow (structured
+    output, forced tool calls) until ``max_tokens``, where a trained model writes compact JSON.
+    How: hidden dimension 0 is a constant 1 in every token embedding and no layer writes to
+    it, so after the final norm it is positive at every position; the output rows of the
+    whitespace tokens read only that dimension, with a large negative weight."""
+    import torch
+
+    whitespace = [
+        i for i in range(len(tokenizer)) if (text := tokenizer.decode([i])) and not text.strip()
+    ]
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+        model.lm_head.weight[whitespace, :] = 0.0
+        model.lm_head.weight[whitespace, 0] = -50.0
 
 
 def is_built(directory: Path, spec: DevModelSpec | None = None) -> bool:
@@ -226,7 +284,7 @@ def build(directory: Path, spec: DevModelSpec | None = None) -> Path:
         raise ValueError("the development model needs head size 64 (hidden_size / num_heads)")
     directory.mkdir(parents=True, exist_ok=True)
 
-    specials = ["<unk>", "<s>", "</s>", "<pad>", "<|start|>", "<|end|>"]
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "<|start|>", "<|end|>", *_TOOL_TOKENS]
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -243,7 +301,7 @@ def build(directory: Path, spec: DevModelSpec | None = None) -> Path:
         bos_token="<s>",
         eos_token="</s>",
         pad_token="<pad>",
-        additional_special_tokens=["<|start|>", "<|end|>"],
+        additional_special_tokens=["<|start|>", "<|end|>", *_TOOL_TOKENS],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(directory)
@@ -263,7 +321,10 @@ def build(directory: Path, spec: DevModelSpec | None = None) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config)
+    _never_only_whitespace(model, tokenizer)
+    model = model.to(torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)
+    (directory / SERVE_ARGS_FILE).write_text(json.dumps(SERVE_ARGS))
     (directory / SPEC_FILE).write_text(json.dumps(asdict(spec), indent=2, sort_keys=True))
     return directory

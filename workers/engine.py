@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Final, Protocol
 
-from schemas.vocab import ErrorCode, FinishReason
-from schemas.wire import ChatMessage, SamplingParams
+from schemas.vocab import Endpoint, ErrorCode, FinishReason
 
 
 class EngineError(Exception):
@@ -26,44 +25,59 @@ class EngineError(Exception):
 
 
 class EngineRequestError(EngineError):
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    """The engine's serving layer refused the request; ``message`` and ``param`` are its own."""
+
+    def __init__(self, code: ErrorCode, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.param = param
 
 
 class EngineDeadError(EngineError):
     pass
 
 
+PROGRESS_S: Final = 2.0
+"""The longest an engine's ``generate`` goes without yielding."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
+    """One OpenAI request for the engine's serving layer. ``body`` is the caller's JSON object
+    as sent; ``max_tokens`` is kvgate's budget, applied when the body names no limit."""
+
     request_id: str
-    messages: tuple[ChatMessage, ...]
-    sampling: SamplingParams
+    endpoint: Endpoint
+    body: dict[str, Any]
+    max_tokens: int
     priority: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(eq=False, slots=True)
 class PreparedRequest:
-    """A request checked and tokenized by the engine, ready to generate."""
+    """A request the serving layer has checked and rendered (chat template, tools), held at
+    the engine's door until the worker lets it in. ``prompt_tokens`` and ``max_tokens`` are
+    what the engine will hold: the rendered prompt, and the output budget of every choice."""
 
     request: EngineRequest
-    prompt_token_ids: tuple[int, ...]
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    prompt_tokens: int
+    max_tokens: int
+    handle: Any = None
+    """The engine's own state for the request (opaque to the worker)."""
 
 
 @dataclass(frozen=True, slots=True)
-class EngineDelta:
-    """New text since the previous delta. ``finish_reason`` is set on the last one only."""
+class EngineOutput:
+    """New output since the previous one. ``sse`` holds the server-sent events the serving
+    layer wrote (streamed requests only); ``body`` is its whole response (the last output of
+    a request that was not streamed). ``finish_reason`` is set on the last output only."""
 
-    text: str
+    sse: str
     new_tokens: int
     prompt_tokens: int
     completion_tokens: int
-    finish_reason: FinishReason | None
+    finish_reason: FinishReason | None = None
+    body: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,19 +102,23 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def prepare(self, request: EngineRequest) -> PreparedRequest:
-        """Tokenize and check ``request``; raises ``EngineRequestError`` if it cannot run here
-        (for example prompt plus ``max_tokens`` beyond the context)."""
+    async def prepare(self, request: EngineRequest) -> PreparedRequest:
+        """Parse, check and render ``request`` without starting it; raises
+        ``EngineRequestError`` if the serving layer refuses it (bad field, prompt plus
+        ``max_tokens`` beyond the context, a field kvgate cannot honour). A prepared request
+        must be passed to ``generate`` or ``discard``."""
         ...
 
-    def generate(self, prepared: PreparedRequest) -> AsyncIterator[EngineDelta]:
-        """Yield deltas until the request finishes. When the consumer is slower than the
-        engine, consecutive deltas are merged rather than queued one per token. Closing the
+    def generate(self, prepared: PreparedRequest) -> AsyncIterator[EngineOutput]:
+        """Start the request and yield its output until it finishes, at least every
+        ``PROGRESS_S`` (an empty output when there is nothing new: a request that is not
+        streamed has no output until its end). When the consumer is slower than the engine,
+        consecutive outputs are merged rather than queued one per token. Closing the
         iterator early aborts the request in the engine."""
         ...
 
-    async def abort(self, request_id: str) -> None:
-        """Stop a running request and free its KV blocks; unknown ids are ignored."""
+    async def discard(self, prepared: PreparedRequest) -> None:
+        """Drop a prepared request that will not run (deadline, cancel, drain)."""
         ...
 
     def shutdown(self) -> None: ...

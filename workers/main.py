@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shlex
 import signal
 
 from broker.settings import WorkerSettings
@@ -29,6 +30,7 @@ def engine_config(settings: WorkerSettings) -> object:
         dtype=settings.dtype,
         enforce_eager=settings.enforce_eager,
         cpu_kvcache_space_gib=settings.cpu_kvcache_space_gib,
+        serve_args=tuple(shlex.split(settings.vllm_args)),
     )
 
 

@@ -17,11 +17,13 @@ class Relay(Protocol):
     tokens_sent: int
     finished: bool
 
-    async def token(self, text: str, tokens: int, queue_wait_ms: int | None = None) -> None: ...
+    async def token(self, sse: str, tokens: int, queue_wait_ms: int | None = None) -> None: ...
 
-    async def done(self, finish_reason: FinishReason, usage: Usage) -> None: ...
+    async def done(
+        self, finish_reason: FinishReason, usage: Usage, body: bytes | None = None
+    ) -> None: ...
 
-    async def fail(self, code: ErrorCode, message: str) -> None: ...
+    async def fail(self, code: ErrorCode, message: str, param: str | None = None) -> None: ...
 
 
 class ReplyRelay:
@@ -37,23 +39,28 @@ class ReplyRelay:
         self.tokens_sent = 0
         self.finished = False
 
-    async def token(self, text: str, tokens: int, queue_wait_ms: int | None = None) -> None:
+    async def token(self, sse: str, tokens: int, queue_wait_ms: int | None = None) -> None:
         seq = self._next()
         # The first token names the worker, so the caller can tell which one served it.
         worker_id = self._worker_id if seq == 0 else None
         await self._send(
-            TokenDelta(seq, self._attempt, text, tokens, queue_wait_ms, worker_id=worker_id)
+            TokenDelta(seq, self._attempt, sse, tokens, queue_wait_ms, worker_id=worker_id)
         )
         self.tokens_sent += tokens
 
-    async def done(self, finish_reason: FinishReason, usage: Usage) -> None:
-        await self._send(Done(self._next(), self._attempt, finish_reason, usage))
+    async def done(
+        self, finish_reason: FinishReason, usage: Usage, body: bytes | None = None
+    ) -> None:
+        event = Done(
+            self._next(), self._attempt, finish_reason, usage, body, worker_id=self._worker_id
+        )
+        await self._send(event)
         self.finished = True
 
-    async def fail(self, code: ErrorCode, message: str) -> None:
+    async def fail(self, code: ErrorCode, message: str, param: str | None = None) -> None:
         if self.finished:
             return
-        await self._send(Failed(self._next(), self._attempt, code, message))
+        await self._send(Failed(self._next(), self._attempt, code, message, param))
         self.finished = True
 
     def _next(self) -> int:

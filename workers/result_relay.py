@@ -16,26 +16,22 @@ class ResultRelay:
         self._subject = subject
         self._call_id = call_id
         self._attempt = attempt
-        self._parts: list[str] = []
         self.tokens_sent = 0
         self.finished = False
 
-    async def token(self, text: str, tokens: int, queue_wait_ms: int | None = None) -> None:
-        self._parts.append(text)
+    async def token(self, sse: str, tokens: int, queue_wait_ms: int | None = None) -> None:
+        # Batch calls are never streamed: the answer is the body given to ``done``.
         self.tokens_sent += tokens
 
-    async def done(self, finish_reason: FinishReason, usage: Usage) -> None:
-        await self._publish(
-            CallResult(
-                self._call_id,
-                self._attempt,
-                text="".join(self._parts),
-                finish_reason=finish_reason,
-                usage=usage,
-            )
+    async def done(
+        self, finish_reason: FinishReason, usage: Usage, body: bytes | None = None
+    ) -> None:
+        result = CallResult(
+            self._call_id, self._attempt, body=body, finish_reason=finish_reason, usage=usage
         )
+        await self._publish(result)
 
-    async def fail(self, code: ErrorCode, message: str) -> None:
+    async def fail(self, code: ErrorCode, message: str, param: str | None = None) -> None:
         if self.finished:
             return
         await self._publish(

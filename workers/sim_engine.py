@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
-from schemas.vocab import ErrorCode, FinishReason
+from schemas.vocab import Endpoint, ErrorCode, FinishReason
 from workers.engine import (
-    EngineDelta,
     EngineError,
+    EngineOutput,
     EngineRequest,
     EngineRequestError,
     EngineStats,
@@ -38,6 +41,18 @@ class SimEngineConfig:
     max_model_len: int = 2048
     step_s: float = 0.005
     """Time per decode step; every running sequence gains one token per step."""
+
+
+def _prompt_text(request: EngineRequest) -> str:
+    body = request.body
+    if request.endpoint is Endpoint.COMPLETIONS:
+        prompt = body.get("prompt", "")
+        return prompt if isinstance(prompt, str) else json.dumps(prompt)
+    return " ".join(
+        m["content"] if isinstance(m.get("content"), str) else json.dumps(m.get("content"))
+        for m in body.get("messages", [])
+        if isinstance(m, dict)
+    )
 
 
 class SimEngine:
@@ -64,18 +79,20 @@ class SimEngine:
             generated_tokens=self._generated,
         )
 
-    def prepare(self, request: EngineRequest) -> PreparedRequest:
-        words = " ".join(m.content for m in request.messages).split()
-        ids = tuple(range(len(words) + 4))  # role markers and the generation prompt
-        if len(ids) + request.sampling.max_tokens > self.config.max_model_len:
+    async def prepare(self, request: EngineRequest) -> PreparedRequest:
+        body = request.body
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        max_tokens = int(max_tokens or request.max_tokens)
+        prompt_tokens = len(_prompt_text(request).split()) + 4  # role markers, generation prompt
+        if prompt_tokens + max_tokens > self.config.max_model_len:
             raise EngineRequestError(
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED, "prompt plus max_tokens exceeds the context"
             )
-        return PreparedRequest(request, ids)
+        return PreparedRequest(request, prompt_tokens, max_tokens)
 
-    async def generate(self, prepared: PreparedRequest) -> AsyncIterator[EngineDelta]:
+    async def generate(self, prepared: PreparedRequest) -> AsyncIterator[EngineOutput]:
         request = prepared.request
-        if any(FAIL_MARKER in m.content for m in request.messages):
+        if FAIL_MARKER in _prompt_text(request):
             raise EngineError("simulated engine failure")
         self._waiting += 1
         try:
@@ -84,18 +101,26 @@ class SimEngine:
             self._waiting -= 1
         rid = request.request_id
         self._running[rid] = prepared.prompt_tokens
+        stream = bool(request.body.get("stream"))
+        text: list[str] = []
         try:
             for n in itertools.count(1):
                 await asyncio.sleep(self.config.step_s)
                 self._running[rid] += 1
                 self._generated += 1
-                last = n >= request.sampling.max_tokens
-                yield EngineDelta(
-                    text=f" t{n}",
+                last = n >= prepared.max_tokens
+                piece = f" t{n}"
+                text.append(piece)
+                finish = FinishReason.LENGTH if last else None
+                yield EngineOutput(
+                    sse=_chunk(request, piece, finish) if stream else "",
                     new_tokens=1,
                     prompt_tokens=prepared.prompt_tokens,
                     completion_tokens=n,
-                    finish_reason=FinishReason.LENGTH if last else None,
+                    finish_reason=finish,
+                    body=None
+                    if stream or not last
+                    else _body(request, "".join(text), prepared.prompt_tokens, n),
                 )
                 if last:
                     return
@@ -103,9 +128,52 @@ class SimEngine:
             self._running.pop(rid, None)
             self._slots.release()
 
-    async def abort(self, request_id: str) -> None:
-        # Generation stops when the worker closes the iterator; nothing else is held.
+    async def discard(self, prepared: PreparedRequest) -> None:
         return None
 
     def shutdown(self) -> None:
         return None
+
+
+def _chunk(request: EngineRequest, text: str, finish: FinishReason | None) -> str:
+    """One server-sent event in OpenAI's chunk shape."""
+    if request.endpoint is Endpoint.CHAT_COMPLETIONS:
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": text}}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text}
+        kind = "text_completion"
+    choice["finish_reason"] = finish.value if finish else None
+    chunk = {
+        "id": request.request_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": request.body.get("model"),
+        "choices": [choice],
+    }
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+def _body(request: EngineRequest, text: str, prompt_tokens: int, completion_tokens: int) -> bytes:
+    """A whole response in OpenAI's shape."""
+    if request.endpoint is Endpoint.CHAT_COMPLETIONS:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text}
+        kind = "text_completion"
+    choice["finish_reason"] = FinishReason.LENGTH.value
+    return json.dumps(
+        {
+            "id": request.request_id,
+            "object": kind,
+            "created": int(time.time()),
+            "model": request.body.get("model"),
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+    ).encode()

@@ -8,9 +8,10 @@ deadline comes), the worker:
 2. hands staged calls to the engine while ``workers.headroom`` says they fit, tier first;
 3. asks ``workers.pullplan`` how much new credit to open per tier for the room that is left.
 
-Calls then arrive on their own. Each is tokenized on arrival (its cost is its prompt plus
-``max_tokens``), staged, and started when it fits; its task streams the engine's deltas to the
-caller's inbox, keeps the message alive with ``in_progress()``, and acks at the end.
+Calls then arrive on their own. Each is rendered and tokenized on arrival by vLLM's serving
+layer (its cost is the prompt the engine will hold, tools included, plus its output budget),
+staged, and started when it fits; its task relays the serving layer's output to the caller's
+inbox, keeps the message alive with ``in_progress()``, and acks at the end.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import os
 import socket
@@ -73,6 +75,9 @@ from workers.tracing import CallTrace
 log = logging.getLogger(__name__)
 
 _COST_EWMA = 0.2
+# How often a call that is not streamed tells its caller that it is still generating (the
+# engine yields at least this often too); far below the front door's idle timeout (60 s).
+_PROGRESS_S = 5.0
 # How long a cancel is remembered for a call this worker has not received yet: a cancel can
 # overtake its call (the caller gave up while the call was still queued or being delivered).
 _CANCEL_MEMORY_S = 600.0
@@ -149,6 +154,7 @@ class Worker:
         self._fatal: BaseException | None = None
         self._arrivals: set[asyncio.Task[None]] = set()
         self._cancelled: dict[str, float] = {}
+        self._preparing: set[str] = set()
 
     @property
     def nc(self) -> NATS:
@@ -322,6 +328,15 @@ class Worker:
             await msg.nak()
 
     async def _arrive(self, tier: Tier, msg: Msg) -> None:
+        try:
+            await self._take(tier, msg)
+        finally:
+            # Whatever became of it, the call used a pull credit: plan again now, or a call
+            # refused here (a bad field, a prompt too long) would leave its tier without
+            # credit until the pull request expired (seen: the next call waited 10 s).
+            self._changed.set()
+
+    async def _take(self, tier: Tier, msg: Msg) -> None:
         headers = msg.headers or {}
         inbox = headers.get(Header.REPLY)
         result_subject = headers.get(Header.RESULT)
@@ -332,7 +347,10 @@ class Worker:
             return
         try:
             envelope = decode_call(msg.data)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            body = json.loads(envelope.body)
+            if not isinstance(body, dict):
+                raise msgspec.ValidationError("the request body is not a JSON object")
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
             log.error("malformed call message, terminated: %s", exc)
             if inbox:
                 await ReplyRelay(self.nc, inbox, attempt, self.options.worker_id).fail(
@@ -347,7 +365,7 @@ class Worker:
             assert inbox is not None
             relay = ReplyRelay(self.nc, inbox, attempt, self.options.worker_id)
         call_id = envelope.call_id
-        if call_id in self._running or call_id in self._staged:
+        if call_id in self._running or call_id in self._staged or call_id in self._preparing:
             await msg.nak()  # a second delivery while the first is still here
             return
         spans = CallTrace.arrived(msg, envelope, attempt, self.options.worker_id)
@@ -360,16 +378,37 @@ class Worker:
         if time.time() * 1000 >= envelope.deadline_ms:
             await self._deadline_passed(msg, relay, spans)
             return
-        request = EngineRequest(call_id, envelope.messages, envelope.sampling, tier.priority)
+        request = EngineRequest(
+            call_id, envelope.endpoint, body, envelope.max_tokens, tier.priority
+        )
+        self._preparing.add(call_id)
         try:
-            prepared = self.engine.prepare(request)
+            prepared = await self.engine.prepare(request)
         except EngineRequestError as exc:
             spans.refused(exc.code.value)
-            await relay.fail(exc.code, str(exc))
+            await relay.fail(exc.code, str(exc), exc.param)
             await msg.term()
             return
+        except EngineError as exc:
+            spans.refused("engine_error")
+            log.warning("could not prepare call %s: %s", call_id, exc)
+            await msg.nak(delay=self.options.nak_delay_s)
+            return
+        finally:
+            self._preparing.discard(call_id)
+        if call_id in self._cancelled or self._stopping.is_set():
+            # Cancelled, or the drain began, while the serving layer rendered it.
+            await self.engine.discard(prepared)
+            if call_id in self._cancelled:
+                self.counters.cancelled += 1
+                spans.refused("cancelled")
+                await relay.fail(ErrorCode.CANCELLED, "the call was cancelled by its caller")
+                await msg.term()
+            else:
+                await msg.nak()
+            return
         cost = call_cost(
-            prepared.prompt_tokens, envelope.sampling.max_tokens, self.engine.stats().block_size
+            prepared.prompt_tokens, prepared.max_tokens, self.engine.stats().block_size
         )
         self._est_call_tokens += _COST_EWMA * (cost - self._est_call_tokens)
         staged = StagedCall(call_id, tier, cost, time.monotonic())
@@ -391,6 +430,7 @@ class Worker:
         for call in [c for c in self._staged.values() if c.envelope.deadline_ms <= now_ms]:
             del self._staged[call.call_id]
             call.progress.cancel()
+            self._spawn(self.engine.discard(call.prepared))
             self._spawn(self._deadline_passed(call.msg, call.relay, call.trace))
 
     def _finished(self, call: _Call, _: object = None) -> None:
@@ -404,17 +444,34 @@ class Worker:
     async def _generate(self, call: _Call) -> None:
         relay, msg, spans = call.relay, call.msg, call.trace
         queue_wait_ms: int | None = spans.queue_wait_ms()
+        streamed = call.envelope.stream
+        first_token = True
         try:
-            async for delta in self.engine.generate(call.prepared):
-                if delta.text or delta.new_tokens:
-                    if queue_wait_ms is not None:
-                        spans.first_token()
-                    await relay.token(delta.text, delta.new_tokens, queue_wait_ms)
+            if not streamed:
+                # Names the worker and the queue wait now: the answer comes only at the end.
+                await relay.token("", 0, queue_wait_ms)
+                queue_wait_ms = None
+            progress_at = time.monotonic() + _PROGRESS_S
+            unsent = 0
+            async for output in self.engine.generate(call.prepared):
+                if first_token and (output.sse or output.body is not None):
+                    spans.first_token()
+                    first_token = False
+                if output.sse:
+                    await relay.token(output.sse, output.new_tokens, queue_wait_ms)
                     queue_wait_ms = None
-                if delta.finish_reason is not None:
-                    usage = Usage(delta.prompt_tokens, delta.completion_tokens)
-                    await relay.done(delta.finish_reason, usage)
-                    spans.finished(delta.finish_reason.value, usage)
+                elif not streamed and output.finish_reason is None:
+                    # A progress event every few seconds, not one per engine step: nobody
+                    # reads the tokens, but the front door must hear that the call is alive.
+                    unsent += output.new_tokens
+                    if time.monotonic() >= progress_at:
+                        await relay.token("", unsent)
+                        unsent = 0
+                        progress_at = time.monotonic() + _PROGRESS_S
+                if output.finish_reason is not None:
+                    usage = Usage(output.prompt_tokens, output.completion_tokens)
+                    await relay.done(output.finish_reason, usage, output.body)
+                    spans.finished(output.finish_reason.value, usage)
             if not relay.finished:
                 raise EngineError("the engine ended the request without a finish reason")
             await msg.ack()
@@ -424,7 +481,7 @@ class Worker:
             await self._stopped(call)
         except EngineRequestError as exc:
             spans.failed(exc)
-            await relay.fail(exc.code, str(exc))
+            await relay.fail(exc.code, str(exc), exc.param)
             await msg.term()
             self.counters.failed += 1
         except EngineDeadError as exc:
@@ -486,6 +543,7 @@ class Worker:
         staged = self._staged.pop(call_id, None)
         if staged is not None:
             staged.progress.cancel()
+            self._spawn(self.engine.discard(staged.prepared))
             staged.trace.refused("cancelled")
             self.counters.cancelled += 1
             await staged.relay.fail(ErrorCode.CANCELLED, "the call was cancelled by its caller")
@@ -507,6 +565,7 @@ class Worker:
         await self._put_heartbeat(draining=True)
         for call in list(self._staged.values()):
             call.progress.cancel()
+            await self.engine.discard(call.prepared)
             call.trace.refused("handed_back")
             self.counters.handed_back += 1
             await call.msg.nak()  # never started: hand back at once

@@ -1,4 +1,11 @@
-"""``POST /v1/chat/completions``: OpenAI-compatible, streamed (SSE) or not."""
+"""``POST /v1/chat/completions``, ``POST /v1/completions`` (OpenAI) and ``POST /v1/messages``
+(Anthropic), streamed (SSE) or not.
+
+The front door admits and queues the call; the worker's vLLM serving layer writes the answer.
+What reaches the caller is vLLM's own response body, or its own server-sent events, relayed as
+they were produced; kvgate adds only its headers, and (OpenAI's APIs only) ``data: [DONE]``
+once the call ended.
+"""
 
 from __future__ import annotations
 
@@ -7,42 +14,36 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from api.admission import session_need_for_call
 from api.calls import Restarted, failure_error, follow_call
 from api.chat_request import (
     SESSION_HEADER,
     TIER_HEADER,
+    CallRequest,
     call_tier,
     call_timeout_s,
-    estimate_prompt_tokens,
     parse_chat_request,
+    parse_completion_request,
+    parse_messages_request,
     read_body,
     to_envelope,
 )
 from api.deps import FrontDoorDep, TenantDep
-from api.errors import error_body
+from api.errors import anthropic_error_body, error_body
 from api.replies import ReplyEvent
 from api.routes.sessions import check_tier
 from api.state import FrontDoor
 from broker.admission_state import SessionRecord
 from broker.errors import InvalidRequest, KvgateError
-from schemas.openai import (
-    AssistantMessage,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    Choice,
-    ChunkChoice,
-    Delta,
-    Usage,
-)
-from schemas.vocab import ErrorCode
+from broker.tenants import Tenant
+from schemas.openai import ChatCompletionRequest, CompletionRequest, MessagesRequest
+from schemas.vocab import Endpoint, ErrorCode
 from schemas.wire import CallEnvelope, Done, Failed, TokenDelta
 
 router = APIRouter(tags=["chat"])
@@ -54,20 +55,48 @@ SESSION_ID_HEADER = "X-Kvgate-Session"
 WORKER_ID_HEADER = "X-Kvgate-Worker"
 """The worker whose attempt answered (streamed: the one that sent the first token)."""
 
-_BODY_SCHEMA = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/json": {"schema": ChatCompletionRequest.model_json_schema()}},
+
+def _body_schema(
+    model: type[ChatCompletionRequest | CompletionRequest | MessagesRequest],
+) -> dict[str, Any]:
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
     }
-}
 
 
-@router.post("/v1/chat/completions", openapi_extra=_BODY_SCHEMA, response_model=None)
+@router.post(
+    "/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest), response_model=None
+)
 async def create_chat_completion(
     request: Request, door: FrontDoorDep, tenant: TenantDep
-) -> JSONResponse | StreamingResponse:
+) -> Response:
+    body = await read_body(request, door.settings.max_body_bytes)
+    return await _serve_call(request, door, tenant, parse_chat_request(body, door.settings), body)
+
+
+@router.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest), response_model=None)
+async def create_completion(request: Request, door: FrontDoorDep, tenant: TenantDep) -> Response:
+    body = await read_body(request, door.settings.max_body_bytes)
+    call = parse_completion_request(body, door.settings)
+    return await _serve_call(request, door, tenant, call, body)
+
+
+@router.post("/v1/messages", openapi_extra=_body_schema(MessagesRequest), response_model=None)
+async def create_message(request: Request, door: FrontDoorDep, tenant: TenantDep) -> Response:
+    """Anthropic's Messages API (Claude Code and other agents reach it through their base-URL
+    setting); errors in Anthropic's shape."""
+    body = await read_body(request, door.settings.max_body_bytes)
+    call = parse_messages_request(body, door.settings)
+    return await _serve_call(request, door, tenant, call, body)
+
+
+async def _serve_call(
+    request: Request, door: FrontDoor, tenant: Tenant, parsed: CallRequest, body: bytes
+) -> Response:
     settings = door.settings
-    chat = parse_chat_request(await read_body(request, settings.max_body_bytes), settings)
     timeout_s = call_timeout_s(request, settings)
     session_id = request.headers.get(SESSION_HEADER)
     if session_id is not None:
@@ -81,7 +110,8 @@ async def create_chat_completion(
             )
         left_s = record.deadline_ms / 1000 - time.time()
         call = to_envelope(
-            chat,
+            parsed,
+            body,
             settings,
             tier=record.tier,
             timeout_s=max(0.001, min(timeout_s, left_s)),
@@ -91,9 +121,9 @@ async def create_chat_completion(
     else:
         tier = call_tier(request, settings, ceiling=tenant.max_tier)
         check_tier(tier, tenant)
-        call = to_envelope(chat, settings, tier=tier, timeout_s=timeout_s)
+        call = to_envelope(parsed, body, settings, tier=tier, timeout_s=timeout_s)
         need = session_need_for_call(
-            tier, estimate_prompt_tokens(call), call.sampling.max_tokens, timeout_s
+            tier, call.est_prompt_tokens, call.max_tokens * parsed.n, timeout_s
         )
         admitted = await door.admitter.admit(tenant, need, scope="call", idle_timeout_s=timeout_s)
         record = admitted.record
@@ -101,13 +131,12 @@ async def create_chat_completion(
         one_call = True
     events = _admitted_call(door, record, call, one_call)
     headers = {CALL_ID_HEADER: call.call_id, SESSION_ID_HEADER: record.id}
-    if not chat.stream:
+    if not call.stream:
         async with contextlib.aclosing(events):
-            completion, worker_id = await _unless_disconnected(request, _collect(call, events))
+            answer, worker_id = await _unless_disconnected(request, _collect(events))
         if worker_id is not None:
             headers[WORKER_ID_HEADER] = worker_id
-        return JSONResponse(completion.model_dump(), headers=headers)
-    include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+        return Response(answer, media_type="application/json", headers=headers)
     # Wait for the first event before answering, so that anything that goes wrong before the
     # first token (deadline, full queue, a rejected prompt) is a proper HTTP status.
     try:
@@ -121,7 +150,7 @@ async def create_chat_completion(
     if isinstance(first, list) and (worker_id := _worker_of(first)) is not None:
         headers[WORKER_ID_HEADER] = worker_id
     return StreamingResponse(
-        _sse(call, first, events, include_usage),
+        _sse(first, events, call.endpoint),
         media_type="text/event-stream",
         headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -166,63 +195,46 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 def _worker_of(events: list[ReplyEvent]) -> str | None:
-    return next((e.worker_id for e in events if isinstance(e, TokenDelta) and e.worker_id), None)
+    for event in events:
+        if isinstance(event, TokenDelta | Done) and event.worker_id:
+            return event.worker_id
+    return None
 
 
 async def _collect(
-    call: CallEnvelope, events: AsyncIterator[list[ReplyEvent] | Restarted]
-) -> tuple[ChatCompletion, str | None]:
-    """The whole answer, and the worker whose attempt gave it."""
-    parts: list[str] = []
-    worker_id: str | None = None
+    events: AsyncIterator[list[ReplyEvent] | Restarted],
+) -> tuple[bytes, str | None]:
+    """vLLM's whole response body, and the worker whose attempt gave it."""
     async for item in events:
         if isinstance(item, Restarted):
-            parts.clear()  # nothing was sent yet: the new attempt's answer replaces it
-            worker_id = None
-            continue
+            continue  # nothing was sent yet: the new attempt's answer replaces the lost one
         for event in item:
-            if isinstance(event, TokenDelta):
-                parts.append(event.text)
-                worker_id = event.worker_id or worker_id
-            elif isinstance(event, Failed):
+            if isinstance(event, Failed):
                 raise failure_error(event)
-            else:
-                completion = ChatCompletion(
-                    id=_completion_id(call),
-                    created=call.created_ms // 1000,
-                    model=call.model,
-                    choices=[
-                        Choice(
-                            message=AssistantMessage(content="".join(parts)),
-                            finish_reason=event.finish_reason.value,
-                        )
-                    ],
-                    usage=_usage(event),
-                )
-                return completion, worker_id
+            if isinstance(event, Done):
+                if event.body is None:
+                    raise KvgateError(ErrorCode.INTERNAL_ERROR, "the worker sent no body")
+                return event.body, event.worker_id
     raise KvgateError(ErrorCode.WORKER_LOST, "the reply ended without a terminal event")
 
 
 async def _sse(
-    call: CallEnvelope,
     first: list[ReplyEvent] | Restarted,
     events: AsyncGenerator[list[ReplyEvent] | Restarted, None],
-    include_usage: bool,
+    endpoint: Endpoint,
 ) -> AsyncIterator[bytes]:
-    chunk_id = _completion_id(call)
-    created = int(time.time())
-
-    def chunk(delta: Delta, finish: str | None = None, usage: Usage | None = None) -> bytes:
-        choices = [] if usage is not None else [ChunkChoice(delta=delta, finish_reason=finish)]
-        body = ChatCompletionChunk(
-            id=chunk_id, created=created, model=call.model, choices=choices, usage=usage
-        )
-        return b"data: " + body.model_dump_json().encode() + b"\n\n"
+    anthropic = endpoint is Endpoint.MESSAGES
+    # Anthropic's streams end with their own message_stop event, and carry errors as an
+    # "error" event; OpenAI's end with [DONE] and carry errors as a data event.
+    done = b"" if anthropic else b"data: [DONE]\n\n"
 
     def error(exc: KvgateError) -> bytes:
+        if anthropic:
+            return (
+                b"event: error\ndata: " + json.dumps(anthropic_error_body(exc)).encode() + (b"\n\n")
+            )
         return b"data: " + json.dumps(error_body(exc).to_json()).encode() + b"\n\n"
 
-    yield chunk(Delta(role="assistant", content=""))
     sent_tokens = False
 
     async def items() -> AsyncIterator[list[ReplyEvent] | Restarted]:
@@ -234,43 +246,29 @@ async def _sse(
         async for item in items():
             if isinstance(item, Restarted):
                 if sent_tokens:
-                    # The client already holds tokens of the lost attempt; splicing another
-                    # attempt's tokens after them would corrupt the answer.
+                    # The client already holds events of the lost attempt; splicing another
+                    # attempt's after them would corrupt the answer.
                     yield error(
                         KvgateError(ErrorCode.WORKER_LOST, "the worker was lost mid-stream")
                     )
-                    yield b"data: [DONE]\n\n"
+                    yield done
                     return
                 continue
-            text = "".join(e.text for e in item if isinstance(e, TokenDelta))
-            if text:
-                yield chunk(Delta(content=text))
+            # Everything that arrived since the last write goes out in one write.
+            sse = "".join(e.sse for e in item if isinstance(e, TokenDelta))
+            if sse:
+                yield sse.encode()
                 sent_tokens = True
             terminal = item[-1] if item else None
             if isinstance(terminal, Done):
-                yield chunk(Delta(), finish=terminal.finish_reason.value)
-                if include_usage:
-                    yield chunk(Delta(), usage=_usage(terminal))
-                yield b"data: [DONE]\n\n"
+                yield done
                 return
             if isinstance(terminal, Failed):
                 yield error(failure_error(terminal))
-                yield b"data: [DONE]\n\n"
+                yield done
                 return
     except KvgateError as exc:
         yield error(exc)
-        yield b"data: [DONE]\n\n"
+        yield done
     finally:
         await events.aclose()
-
-
-def _completion_id(call: CallEnvelope) -> str:
-    return f"chatcmpl-{call.call_id}"
-
-
-def _usage(done: Done) -> Usage:
-    return Usage(
-        prompt_tokens=done.usage.prompt_tokens,
-        completion_tokens=done.usage.completion_tokens,
-        total_tokens=done.usage.total_tokens,
-    )
