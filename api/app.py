@@ -16,7 +16,7 @@ from api.batch_runner import BatchRunner
 from api.errors import install_error_handlers
 from api.metrics import FrontDoorMetrics
 from api.replies import ReplyRouter
-from api.routes import admin, batches, chat, health, models, sessions
+from api.routes import admin, batches, chat, files, health, models, sessions
 from api.state import FrontDoor
 from api.tracing import RequestSpanMiddleware
 from broker.admission_state import AdmissionState, MemoryAdmissionState
@@ -110,6 +110,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.include_router(chat.router)
     app.include_router(sessions.router)
     app.include_router(batches.router)
+    app.include_router(files.router)
     app.include_router(models.router)
     app.include_router(health.router)
     app.include_router(admin.router)

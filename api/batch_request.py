@@ -85,17 +85,23 @@ def batch_tier(raw: object) -> Tier | None:
         ) from None
 
 
-def parse_submission(request: Request, body: bytes, settings: ApiSettings) -> BatchSubmission:
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+def is_jsonl(request: Request) -> bool:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower() in JSONL_TYPES
+
+
+def parse_submission(
+    request: Request, body: bytes, settings: ApiSettings, obj: dict[str, Any] | None = None
+) -> BatchSubmission:
+    """A batch from its JSON body (``obj``, if the caller parsed it already) or JSONL upload."""
     params = request.query_params
-    if content_type in JSONL_TYPES:
+    if is_jsonl(request):
         raw_lines: list[object] = []
         for text in body.decode("utf-8", errors="replace").split("\n"):
             raw_lines.append(text)
         options: dict[str, Any] = dict(params)
         metadata: dict[str, Any] = {}
     else:
-        obj = parse_json_object(body)
+        obj = parse_json_object(body) if obj is None else obj
         requests = obj.get("requests")
         if not isinstance(requests, list):
             raise InvalidRequest(
@@ -111,6 +117,28 @@ def parse_submission(request: Request, body: bytes, settings: ApiSettings) -> Ba
             raise InvalidRequest(
                 ErrorCode.INVALID_PARAMETER, "metadata must be an object", param="metadata"
             )
+    return parse_lines(raw_lines, options, metadata, settings)
+
+
+def parse_file_submission(
+    content: bytes, options: dict[str, Any], settings: ApiSettings
+) -> BatchSubmission:
+    """A batch made from an uploaded JSONL file (OpenAI's flow: ``input_file_id``)."""
+    metadata = options.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise InvalidRequest(
+            ErrorCode.INVALID_PARAMETER, "metadata must be an object", param="metadata"
+        )
+    text = content.decode("utf-8", errors="replace")
+    return parse_lines(list(text.split("\n")), options, metadata, settings)
+
+
+def parse_lines(
+    raw_lines: list[object],
+    options: dict[str, Any],
+    metadata: dict[str, Any],
+    settings: ApiSettings,
+) -> BatchSubmission:
     window = completion_window_s(options.get("completion_window", "24h"))
     tier = batch_tier(options.get("tier"))
     lines: list[ParsedLine] = []

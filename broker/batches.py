@@ -71,6 +71,8 @@ class Batch(SQLModel, table=True):
     metadata_: dict[str, Any] = Field(
         default_factory=dict, sa_column=Column("metadata", JSON, nullable=False)
     )
+    input_file_id: str | None = Field(default=None, max_length=64)
+    """The uploaded file the batch was made from (OpenAI's flow), if any."""
 
 
 class BatchLine(SQLModel, table=True):
@@ -112,6 +114,7 @@ class BatchRow:
     total: int
     idempotency_key: str | None
     metadata: dict[str, Any]
+    input_file_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +157,7 @@ def _batch(row: Any) -> BatchRow:
         total=m["total"],
         idempotency_key=m["idempotency_key"],
         metadata=m["metadata"] or {},
+        input_file_id=m["input_file_id"],
     )
 
 

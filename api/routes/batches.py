@@ -12,11 +12,17 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api.batch_request import parse_submission
-from api.chat_request import read_body
+from api.batch_request import (
+    CHAT_URL,
+    is_jsonl,
+    parse_file_submission,
+    parse_submission,
+)
+from api.chat_request import parse_json_object, read_body
 from api.deps import FrontDoorDep, TenantDep
 from api.routes.sessions import IDEMPOTENCY_HEADER, check_tier
 from broker import batches as store
+from broker import files
 from broker.batches import BatchStatus, BatchView, LineStatus
 from broker.errors import InvalidRequest, KvgateError
 from broker.ledger import utcnow
@@ -28,9 +34,29 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"])
 @router.post("", response_model=None)
 async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) -> JSONResponse:
     settings = door.settings
-    submission = parse_submission(
-        request, await read_body(request, settings.max_body_bytes * 64), settings
-    )
+    raw = await read_body(request, settings.max_body_bytes * 64)
+    obj = None if is_jsonl(request) else parse_json_object(raw)
+    input_file_id: str | None = None
+    if obj is not None and "input_file_id" in obj:
+        # OpenAI's flow: the lines are in a file uploaded before (through any front door).
+        input_file_id = str(obj["input_file_id"])
+        endpoint = obj.get("endpoint", CHAT_URL)
+        if endpoint != CHAT_URL:
+            raise InvalidRequest(
+                ErrorCode.UNSUPPORTED_PARAMETER,
+                f"endpoint {endpoint!r} is not served in batches; use {CHAT_URL}",
+                param="endpoint",
+            )
+        content = await asyncio.to_thread(
+            files.file_content, door.batch_engine, tenant.id, input_file_id
+        )
+        if content is None:
+            raise KvgateError(
+                ErrorCode.NOT_FOUND, f"no file {input_file_id!r}", param="input_file_id"
+            )
+        submission = parse_file_submission(content, {**request.query_params, **obj}, settings)
+    else:
+        submission = parse_submission(request, raw, settings, obj)
     tier = submission.tier or Tier.BESTEFFORT
     check_tier(tier, tenant)
     valid = [line for line in submission.lines if line.error is None]
@@ -57,6 +83,7 @@ async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) 
         "runner": None,
         "runner_seen_at": None,
         "metadata": submission.metadata,
+        "input_file_id": input_file_id,
     }
     lines = [
         {
@@ -148,7 +175,10 @@ async def _view(door: FrontDoorDep, tenant: str, batch_id: str) -> BatchView:
 
 def batch_json(view: BatchView) -> dict[str, Any]:
     b, counts = view.batch, view.counts
-    return {
+    ended = b.status in _ENDED
+    failed = sum(counts.get(s, 0) for s in ("failed", "expired", "cancelled"))
+    finished = None if b.finished_at is None else int(b.finished_at.timestamp())
+    body: dict[str, Any] = {
         "id": b.id,
         "object": "batch",
         "endpoint": "/v1/chat/completions",
@@ -162,4 +192,27 @@ def batch_json(view: BatchView) -> dict[str, Any]:
         "finished_at": None if b.finished_at is None else int(b.finished_at.timestamp()),
         "request_counts": {"total": b.total, **counts},
         "metadata": b.metadata,
+        # OpenAI's Batch object: the input file, and once the batch ended, its output and
+        # error files (read from the lines: see api/routes/files.py).
+        "input_file_id": b.input_file_id,
+        "output_file_id": output_file_id(b.id) if ended and counts.get("completed") else None,
+        "error_file_id": error_file_id(b.id) if ended and failed else None,
+        "errors": None,
+        "in_progress_at": int(b.created_at.timestamp()),
     }
+    if ended and finished is not None:
+        body[f"{b.status}_at"] = finished  # completed_at, expired_at, cancelled_at...
+    return body
+
+
+_ENDED = frozenset(
+    {BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
+)
+
+
+def output_file_id(batch_id: str) -> str:
+    return f"file-{batch_id}-output"
+
+
+def error_file_id(batch_id: str) -> str:
+    return f"file-{batch_id}-errors"

@@ -1,0 +1,146 @@
+"""``/v1/files``: OpenAI's Files API, for the SDK's batch flow (``files.create(purpose="batch")``,
+then ``batches.create(input_file_id=...)``, then ``files.content(output_file_id)``).
+
+Uploaded files live in the database the front doors share (``broker/files.py``). A batch's
+output and error files are read from its lines when asked for, in OpenAI's batch output
+format; their ids name the batch (``file-<batch id>-output``, ``file-<batch id>-errors``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+from starlette.datastructures import UploadFile
+
+from api.deps import FrontDoorDep, TenantDep
+from api.routes.batches import error_file_id, output_file_id
+from broker import batches as store
+from broker import files
+from broker.batches import LineRow, LineStatus
+from broker.errors import InvalidRequest, KvgateError
+from broker.files import FileMeta
+from broker.ledger import utcnow
+from schemas.vocab import ErrorCode
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+
+PURPOSES = ("batch",)
+"""What kvgate takes files for: batch input. Fine-tuning and assistants files have no use here."""
+
+
+@router.post("", status_code=200)
+async def create_file(request: Request, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
+    limit = door.settings.max_body_bytes * 64
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise InvalidRequest(ErrorCode.BODY_TOO_LARGE, f"the upload exceeds {limit} bytes")
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise InvalidRequest(
+            ErrorCode.UNSUPPORTED_MEDIA_TYPE, "upload the file as multipart/form-data"
+        )
+    async with request.form(max_part_size=limit) as form:
+        purpose = form.get("purpose")
+        upload = form.get("file")
+        if purpose not in PURPOSES:
+            raise InvalidRequest(
+                ErrorCode.UNSUPPORTED_PARAMETER,
+                f"purpose must be one of {', '.join(PURPOSES)}",
+                param="purpose",
+            )
+        if not isinstance(upload, UploadFile):
+            raise InvalidRequest(ErrorCode.INVALID_REQUEST, "'file' is required", param="file")
+        content = await upload.read()
+        filename = (upload.filename or "upload.jsonl")[:255]
+    if len(content) > limit:
+        raise InvalidRequest(ErrorCode.BODY_TOO_LARGE, f"the upload exceeds {limit} bytes")
+    meta = FileMeta(f"file-{uuid.uuid4().hex}", str(purpose), filename, len(content), utcnow())
+    await asyncio.to_thread(files.create_file, door.batch_engine, meta, tenant.id, content)
+    return file_json(meta)
+
+
+@router.get("")
+async def list_files(
+    door: FrontDoorDep,
+    tenant: TenantDep,
+    purpose: str | None = None,
+    limit: int = Query(default=100, ge=1, le=10_000),
+) -> dict[str, Any]:
+    found = await asyncio.to_thread(files.list_files, door.batch_engine, tenant.id, purpose, limit)
+    return {"object": "list", "data": [file_json(f) for f in found], "has_more": False}
+
+
+@router.get("/{file_id}")
+async def get_file(file_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
+    meta, _ = await _find(door, tenant.id, file_id)
+    return file_json(meta)
+
+
+@router.get("/{file_id}/content", response_model=None)
+async def file_content(file_id: str, door: FrontDoorDep, tenant: TenantDep) -> Response:
+    _, content = await _find(door, tenant.id, file_id)
+    return Response(content, media_type="application/octet-stream")
+
+
+@router.delete("/{file_id}")
+async def delete_file(file_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
+    deleted = await asyncio.to_thread(files.delete_file, door.batch_engine, tenant.id, file_id)
+    if not deleted:
+        raise KvgateError(ErrorCode.NOT_FOUND, f"no file {file_id!r}")
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+async def _find(door: FrontDoorDep, tenant: str, file_id: str) -> tuple[FileMeta, bytes]:
+    """An uploaded file, or a batch's output or error file, with its content."""
+    for suffix, wanted in (("-output", _OUTPUT), ("-errors", _ERRORS)):
+        if file_id.startswith("file-batch_") and file_id.endswith(suffix):
+            batch_id = file_id.removeprefix("file-").removesuffix(suffix)
+            view = await asyncio.to_thread(store.get_batch, door.batch_engine, tenant, batch_id)
+            if view is not None and file_id in (output_file_id(batch_id), error_file_id(batch_id)):
+                lines = await asyncio.to_thread(store.lines_of, door.batch_engine, batch_id)
+                content = b"".join(
+                    json.dumps(_output_line(line)).encode() + b"\n"
+                    for line in lines
+                    if line.status in wanted
+                )
+                created = view.batch.finished_at or view.batch.created_at
+                meta = FileMeta(file_id, "batch_output", f"{file_id}.jsonl", len(content), created)
+                return meta, content
+    stored = await asyncio.to_thread(files.get_file, door.batch_engine, tenant, file_id)
+    data = await asyncio.to_thread(files.file_content, door.batch_engine, tenant, file_id)
+    if stored is None or data is None:  # another tenant's file is indistinguishable from none
+        raise KvgateError(ErrorCode.NOT_FOUND, f"no file {file_id!r}")
+    return stored, data
+
+
+_OUTPUT = frozenset({LineStatus.COMPLETED.value})
+_ERRORS = frozenset({LineStatus.FAILED.value, LineStatus.EXPIRED.value, LineStatus.CANCELLED.value})
+
+
+def _output_line(line: LineRow) -> dict[str, Any]:
+    """One line of a batch's output or error file, in OpenAI's batch output format."""
+    out: dict[str, Any] = {"id": f"batch_req_{line.call_id}", "custom_id": line.custom_id}
+    result = line.result or {}
+    if line.status == LineStatus.COMPLETED.value:
+        response = {"status_code": result.get("status_code", 200), "request_id": line.call_id}
+        out.update(response=response | {"body": result.get("body")}, error=None)
+    else:
+        error = result.get("error") or {"code": line.error_code, "message": line.status}
+        out.update(response=None, error=error)
+    return out
+
+
+def file_json(meta: FileMeta) -> dict[str, Any]:
+    return {
+        "id": meta.id,
+        "object": "file",
+        "bytes": meta.bytes,
+        "created_at": int(meta.created_at.timestamp()),
+        "filename": meta.filename,
+        "purpose": meta.purpose,
+        "status": "processed",
+    }
