@@ -13,7 +13,7 @@ Errors::
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -109,7 +109,7 @@ class Engine(Protocol):
         must be passed to ``generate`` or ``discard``."""
         ...
 
-    def generate(self, prepared: PreparedRequest) -> AsyncIterator[EngineOutput]:
+    def generate(self, prepared: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:
         """Start the request and yield its output until it finishes, at least every
         ``PROGRESS_S`` (an empty output when there is nothing new: a request that is not
         streamed has no output until its end). When the consumer is slower than the engine,

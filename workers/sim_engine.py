@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +90,7 @@ class SimEngine:
             )
         return PreparedRequest(request, prompt_tokens, max_tokens)
 
-    async def generate(self, prepared: PreparedRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, prepared: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:
         request = prepared.request
         if FAIL_MARKER in _prompt_text(request):
             raise EngineError("simulated engine failure")

@@ -27,7 +27,7 @@ import gc
 import json
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -442,7 +442,7 @@ class VllmEngine:
         if exc is not None:
             raise EngineRequestError(ErrorCode.INVALID_PARAMETER, str(exc))
 
-    async def generate(self, prepared: PreparedRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, prepared: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:
         ticket: _Ticket = prepared.handle
         ticket.permit.set()
         counted = 0

@@ -453,25 +453,28 @@ class Worker:
                 queue_wait_ms = None
             progress_at = time.monotonic() + _PROGRESS_S
             unsent = 0
-            async for output in self.engine.generate(call.prepared):
-                if first_token and (output.sse or output.body is not None):
-                    spans.first_token()
-                    first_token = False
-                if output.sse:
-                    await relay.token(output.sse, output.new_tokens, queue_wait_ms)
-                    queue_wait_ms = None
-                elif not streamed and output.finish_reason is None:
-                    # A progress event every few seconds, not one per engine step: nobody
-                    # reads the tokens, but the front door must hear that the call is alive.
-                    unsent += output.new_tokens
-                    if time.monotonic() >= progress_at:
-                        await relay.token("", unsent)
-                        unsent = 0
-                        progress_at = time.monotonic() + _PROGRESS_S
-                if output.finish_reason is not None:
-                    usage = Usage(output.prompt_tokens, output.completion_tokens)
-                    await relay.done(output.finish_reason, usage, output.body)
-                    spans.finished(output.finish_reason.value, usage)
+            # Closed on every way out, a cancel during a publish included: the engine request
+            # is aborted then, not when the iterator is garbage-collected.
+            async with contextlib.aclosing(self.engine.generate(call.prepared)) as outputs:
+                async for output in outputs:
+                    if first_token and (output.sse or output.body is not None):
+                        spans.first_token()
+                        first_token = False
+                    if output.sse:
+                        await relay.token(output.sse, output.new_tokens, queue_wait_ms)
+                        queue_wait_ms = None
+                    elif not streamed and output.finish_reason is None:
+                        # A progress event every few seconds, not one per engine step: nobody
+                        # reads the tokens, but the front door must hear that the call is alive.
+                        unsent += output.new_tokens
+                        if time.monotonic() >= progress_at:
+                            await relay.token("", unsent)
+                            unsent = 0
+                            progress_at = time.monotonic() + _PROGRESS_S
+                    if output.finish_reason is not None:
+                        usage = Usage(output.prompt_tokens, output.completion_tokens)
+                        await relay.done(output.finish_reason, usage, output.body)
+                        spans.finished(output.finish_reason.value, usage)
             if not relay.finished:
                 raise EngineError("the engine ended the request without a finish reason")
             await msg.ack()
@@ -495,6 +498,9 @@ class Worker:
             spans.failed(exc)
             await self._engine_failed(call, exc)
         finally:
+            # A request that never started (cancelled before its first output) is still held
+            # at the engine's door: let it go. Harmless after a finished one.
+            await self.engine.discard(call.prepared)
             spans.end()
 
     async def _stopped(self, call: _Call) -> None:
