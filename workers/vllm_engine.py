@@ -382,7 +382,11 @@ class VllmEngine:
         parsed = self._parse(request)
         ticket = _Ticket(request)
         ticket.task = asyncio.create_task(self._serve(ticket, parsed))
-        await asyncio.wait({ticket.at_gate, ticket.task}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({ticket.at_gate, ticket.task}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            await _stop(ticket)  # cancelled while vLLM rendered it: nothing may wait at the gate
+            raise
         if not ticket.at_gate.done():
             # The serving layer answered without reaching the engine: a refusal.
             self._raise_outcome(ticket)
@@ -449,9 +453,9 @@ class VllmEngine:
         try:
             while True:
                 try:
-                    events: list[str | _End] = [
-                        await asyncio.wait_for(ticket.outputs.get(), PROGRESS_S)
-                    ]
+                    # asyncio.timeout, not wait_for: no task per output on the token path.
+                    async with asyncio.timeout(PROGRESS_S):
+                        events: list[str | _End] = [await ticket.outputs.get()]
                 except TimeoutError:
                     # Nothing new (a request that is not streamed says nothing until its
                     # end): report the tokens generated so far.
