@@ -20,7 +20,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from api.replies import ReplyEvent
 from api.state import FrontDoor
-from broker.errors import DeadlineExceeded, InvalidRequest, KvgateError
+from broker.errors import DeadlineExceeded, KvgateError
 from broker.telemetry import inject_headers, tracer
 from schemas.vocab import ErrorCode
 from schemas.wire import CANCEL_SUBJECT_PREFIX, CallEnvelope, Done, Failed, TokenDelta
@@ -191,18 +191,4 @@ class _CallObservation:
 def failure_error(event: Failed) -> KvgateError:
     if event.code == ErrorCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(event.message)
-    if event.code in _CALLER_MUST_CHANGE:
-        return InvalidRequest(event.code, event.message, param=event.param)
     return KvgateError(event.code, event.message, param=event.param)
-
-
-# Codes a worker answers when vLLM's serving layer refused the request.
-_CALLER_MUST_CHANGE = frozenset(
-    {
-        ErrorCode.INVALID_REQUEST,
-        ErrorCode.INVALID_PARAMETER,
-        ErrorCode.UNSUPPORTED_PARAMETER,
-        ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-        ErrorCode.MODEL_NOT_FOUND,
-    }
-)

@@ -33,10 +33,10 @@ def get_tenant(request: Request) -> Tenant:
     door = get_front_door(request)
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
-    if not header and (anthropic_key := request.headers.get("x-api-key")):
-        # Anthropic's clients send the key in a header of their own.
-        header, scheme, key = anthropic_key, "bearer", anthropic_key
-    tenant = door.admitter.tenancy.authenticate(key.strip() if scheme.lower() == "bearer" else None)
+    given = key.strip() if scheme.lower() == "bearer" else None
+    if not header:
+        given = request.headers.get("x-api-key")  # Anthropic's clients send it there
+    tenant = door.admitter.tenancy.authenticate(given)
     if tenant is None:
         raise KvgateError(
             ErrorCode.UNAUTHORIZED,

@@ -50,6 +50,34 @@ TERMINAL_LINES = frozenset(
     {LineStatus.COMPLETED, LineStatus.FAILED, LineStatus.EXPIRED, LineStatus.CANCELLED}
 )
 OPEN_LINES = (LineStatus.PENDING.value, LineStatus.RUNNING.value)
+UNANSWERED_LINES = frozenset(
+    {LineStatus.FAILED.value, LineStatus.EXPIRED.value, LineStatus.CANCELLED.value}
+)
+"""Lines that ended without an answer: what a batch's error file holds."""
+ENDED_BATCHES = frozenset(
+    {BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
+)
+
+
+_RESULT_FILES = {"-output": frozenset({LineStatus.COMPLETED.value}), "-errors": UNANSWERED_LINES}
+
+
+def output_file_id(batch_id: str) -> str:
+    """The id of a batch's output file (OpenAI's flow), built from its lines when read."""
+    return f"file-{batch_id}-output"
+
+
+def error_file_id(batch_id: str) -> str:
+    return f"file-{batch_id}-errors"
+
+
+def result_file(file_id: str) -> tuple[str, frozenset[str]] | None:
+    """The batch an output or error file id names, and the line statuses the file holds."""
+    if file_id.startswith("file-batch_"):
+        for suffix, statuses in _RESULT_FILES.items():
+            if file_id.endswith(suffix):
+                return file_id.removeprefix("file-").removesuffix(suffix), statuses
+    return None
 
 
 class Batch(SQLModel, table=True):

@@ -69,19 +69,14 @@ def _fields(meta: FileMeta) -> dict[str, object]:
     }
 
 
-def get_file(engine: Engine, tenant: str, file_id: str) -> FileMeta | None:
-    """The tenant's file; another tenant's file is indistinguishable from none."""
+def read_file(engine: Engine, tenant: str, file_id: str) -> tuple[FileMeta, bytes] | None:
+    """The tenant's file and its content, in one query."""
     with engine.connect() as conn:
-        query = select(*_META).where(FILES.c.id == file_id, FILES.c.tenant == tenant)
+        query = select(*_META, FILES.c.content).where(
+            FILES.c.id == file_id, FILES.c.tenant == tenant
+        )
         row = conn.execute(query).first()
-    return None if row is None else _meta(row)
-
-
-def file_content(engine: Engine, tenant: str, file_id: str) -> bytes | None:
-    with engine.connect() as conn:
-        query = select(FILES.c.content).where(FILES.c.id == file_id, FILES.c.tenant == tenant)
-        row = conn.execute(query).first()
-    return None if row is None else bytes(row[0])
+    return None if row is None else (_meta(row), bytes(row._mapping["content"]))
 
 
 def list_files(engine: Engine, tenant: str, purpose: str | None, limit: int) -> list[FileMeta]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import gc
 import json
 import logging
@@ -200,7 +201,8 @@ class _Ticket:
 
     def observe(self, output: Any, delta: bool) -> None:
         """Count the tokens of one ``RequestOutput`` (deltas or cumulative, per choice)."""
-        if output.prompt_token_ids is not None:
+        if not self.prompt_tokens and output.prompt_token_ids is not None:
+            # Known at the gate already, unless the prompt came in a shape it could not read.
             self.prompt_tokens = len(output.prompt_token_ids)
         for choice in output.outputs:
             n = len(choice.token_ids)
@@ -367,8 +369,7 @@ class VllmEngine:
                 f"{loc or 'body'}: {first['msg']}",
                 param=str(first["loc"][0]) if first["loc"] else None,
             ) from None
-        known = {f.alias or name for name, f in model.model_fields.items()}
-        unknown = sorted(set(body) - known - set(model.model_fields) - _HARMLESS_FIELDS)
+        unknown = sorted(set(body) - _accepted_fields(model))
         if unknown:
             raise EngineRequestError(
                 ErrorCode.UNSUPPORTED_PARAMETER,
@@ -512,6 +513,15 @@ async def _stop(ticket: _Ticket) -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+@functools.cache
+def _accepted_fields(model: type) -> frozenset[str]:
+    """The body fields vLLM's request ``model`` reads (names and aliases), and the harmless
+    ones: worked out once per model, not per call."""
+    fields = model.model_fields  # type: ignore[attr-defined]
+    names = {name for name in fields} | {f.alias for f in fields.values() if f.alias}
+    return frozenset(names | _HARMLESS_FIELDS)
 
 
 def _is_server_fault(exc: BaseException) -> bool:

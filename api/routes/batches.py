@@ -23,7 +23,15 @@ from api.deps import FrontDoorDep, TenantDep
 from api.routes.sessions import IDEMPOTENCY_HEADER, check_tier
 from broker import batches as store
 from broker import files
-from broker.batches import BatchStatus, BatchView, LineStatus
+from broker.batches import (
+    ENDED_BATCHES,
+    UNANSWERED_LINES,
+    BatchStatus,
+    BatchView,
+    LineStatus,
+    error_file_id,
+    output_file_id,
+)
 from broker.errors import InvalidRequest, KvgateError
 from broker.ledger import utcnow
 from schemas.vocab import ErrorCode, Tier
@@ -47,14 +55,14 @@ async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) 
                 f"endpoint {endpoint!r} is not served in batches; use {CHAT_URL}",
                 param="endpoint",
             )
-        content = await asyncio.to_thread(
-            files.file_content, door.batch_engine, tenant.id, input_file_id
+        found = await asyncio.to_thread(
+            files.read_file, door.batch_engine, tenant.id, input_file_id
         )
-        if content is None:
+        if found is None:
             raise KvgateError(
                 ErrorCode.NOT_FOUND, f"no file {input_file_id!r}", param="input_file_id"
             )
-        submission = parse_file_submission(content, {**request.query_params, **obj}, settings)
+        submission = parse_file_submission(found[1], {**request.query_params, **obj}, settings)
     else:
         submission = parse_submission(request, raw, settings, obj)
     tier = submission.tier or Tier.BESTEFFORT
@@ -175,8 +183,8 @@ async def _view(door: FrontDoorDep, tenant: str, batch_id: str) -> BatchView:
 
 def batch_json(view: BatchView) -> dict[str, Any]:
     b, counts = view.batch, view.counts
-    ended = b.status in _ENDED
-    failed = sum(counts.get(s, 0) for s in ("failed", "expired", "cancelled"))
+    ended = b.status in ENDED_BATCHES
+    unanswered = sum(counts.get(s, 0) for s in UNANSWERED_LINES)
     finished = None if b.finished_at is None else int(b.finished_at.timestamp())
     body: dict[str, Any] = {
         "id": b.id,
@@ -189,30 +197,17 @@ def batch_json(view: BatchView) -> dict[str, Any]:
         else f"{b.completion_window_s // 60}m",
         "created_at": int(b.created_at.timestamp()),
         "expires_at": int(b.expires_at.timestamp()),
-        "finished_at": None if b.finished_at is None else int(b.finished_at.timestamp()),
+        "finished_at": finished,
         "request_counts": {"total": b.total, **counts},
         "metadata": b.metadata,
         # OpenAI's Batch object: the input file, and once the batch ended, its output and
         # error files (read from the lines: see api/routes/files.py).
         "input_file_id": b.input_file_id,
         "output_file_id": output_file_id(b.id) if ended and counts.get("completed") else None,
-        "error_file_id": error_file_id(b.id) if ended and failed else None,
+        "error_file_id": error_file_id(b.id) if ended and unanswered else None,
         "errors": None,
         "in_progress_at": int(b.created_at.timestamp()),
     }
     if ended and finished is not None:
         body[f"{b.status}_at"] = finished  # completed_at, expired_at, cancelled_at...
     return body
-
-
-_ENDED = frozenset(
-    {BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
-)
-
-
-def output_file_id(batch_id: str) -> str:
-    return f"file-{batch_id}-output"
-
-
-def error_file_id(batch_id: str) -> str:
-    return f"file-{batch_id}-errors"

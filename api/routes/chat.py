@@ -230,10 +230,8 @@ async def _sse(
 
     def error(exc: KvgateError) -> bytes:
         if anthropic:
-            return (
-                b"event: error\ndata: " + json.dumps(anthropic_error_body(exc)).encode() + (b"\n\n")
-            )
-        return b"data: " + json.dumps(error_body(exc).to_json()).encode() + b"\n\n"
+            return b"event: error\ndata: %s\n\n" % json.dumps(anthropic_error_body(exc)).encode()
+        return b"data: %s\n\n" % json.dumps(error_body(exc).to_json()).encode()
 
     sent_tokens = False
 

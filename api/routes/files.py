@@ -18,10 +18,9 @@ from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 
 from api.deps import FrontDoorDep, TenantDep
-from api.routes.batches import error_file_id, output_file_id
 from broker import batches as store
 from broker import files
-from broker.batches import LineRow, LineStatus
+from broker.batches import LineRow, LineStatus, result_file
 from broker.errors import InvalidRequest, KvgateError
 from broker.files import FileMeta
 from broker.ledger import utcnow
@@ -96,29 +95,24 @@ async def delete_file(file_id: str, door: FrontDoorDep, tenant: TenantDep) -> di
 
 async def _find(door: FrontDoorDep, tenant: str, file_id: str) -> tuple[FileMeta, bytes]:
     """An uploaded file, or a batch's output or error file, with its content."""
-    for suffix, wanted in (("-output", _OUTPUT), ("-errors", _ERRORS)):
-        if file_id.startswith("file-batch_") and file_id.endswith(suffix):
-            batch_id = file_id.removeprefix("file-").removesuffix(suffix)
-            view = await asyncio.to_thread(store.get_batch, door.batch_engine, tenant, batch_id)
-            if view is not None and file_id in (output_file_id(batch_id), error_file_id(batch_id)):
-                lines = await asyncio.to_thread(store.lines_of, door.batch_engine, batch_id)
-                content = b"".join(
-                    json.dumps(_output_line(line)).encode() + b"\n"
-                    for line in lines
-                    if line.status in wanted
-                )
-                created = view.batch.finished_at or view.batch.created_at
-                meta = FileMeta(file_id, "batch_output", f"{file_id}.jsonl", len(content), created)
-                return meta, content
-    stored = await asyncio.to_thread(files.get_file, door.batch_engine, tenant, file_id)
-    data = await asyncio.to_thread(files.file_content, door.batch_engine, tenant, file_id)
-    if stored is None or data is None:  # another tenant's file is indistinguishable from none
+    named = result_file(file_id)
+    if named is not None:
+        batch_id, statuses = named
+        view = await asyncio.to_thread(store.get_batch, door.batch_engine, tenant, batch_id)
+        if view is not None:
+            lines = await asyncio.to_thread(store.lines_of, door.batch_engine, batch_id)
+            content = b"".join(
+                json.dumps(_output_line(line)).encode() + b"\n"
+                for line in lines
+                if line.status in statuses
+            )
+            created = view.batch.finished_at or view.batch.created_at
+            meta = FileMeta(file_id, "batch_output", f"{file_id}.jsonl", len(content), created)
+            return meta, content
+    found = await asyncio.to_thread(files.read_file, door.batch_engine, tenant, file_id)
+    if found is None:  # another tenant's file is indistinguishable from none
         raise KvgateError(ErrorCode.NOT_FOUND, f"no file {file_id!r}")
-    return stored, data
-
-
-_OUTPUT = frozenset({LineStatus.COMPLETED.value})
-_ERRORS = frozenset({LineStatus.FAILED.value, LineStatus.EXPIRED.value, LineStatus.CANCELLED.value})
+    return found
 
 
 def _output_line(line: LineRow) -> dict[str, Any]:
