@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,9 +91,14 @@ def is_jsonl(request: Request) -> bool:
 
 
 def parse_submission(
-    request: Request, body: bytes, settings: ApiSettings, obj: dict[str, Any] | None = None
+    request: Request,
+    body: bytes,
+    settings: ApiSettings,
+    models: Collection[str],
+    obj: dict[str, Any] | None = None,
 ) -> BatchSubmission:
-    """A batch from its JSON body (``obj``, if the caller parsed it already) or JSONL upload."""
+    """A batch from its JSON body (``obj``, if the caller parsed it already) or JSONL upload;
+    a line naming a model outside ``models`` fails alone."""
     params = request.query_params
     if is_jsonl(request):
         raw_lines: list[object] = []
@@ -117,11 +123,11 @@ def parse_submission(
             raise InvalidRequest(
                 ErrorCode.INVALID_PARAMETER, "metadata must be an object", param="metadata"
             )
-    return parse_lines(raw_lines, options, metadata, settings)
+    return parse_lines(raw_lines, options, metadata, settings, models)
 
 
 def parse_file_submission(
-    content: bytes, options: dict[str, Any], settings: ApiSettings
+    content: bytes, options: dict[str, Any], settings: ApiSettings, models: Collection[str]
 ) -> BatchSubmission:
     """A batch made from an uploaded JSONL file (OpenAI's flow: ``input_file_id``)."""
     metadata = options.get("metadata") or {}
@@ -130,7 +136,7 @@ def parse_file_submission(
             ErrorCode.INVALID_PARAMETER, "metadata must be an object", param="metadata"
         )
     text = content.decode("utf-8", errors="replace")
-    return parse_lines(list(text.split("\n")), options, metadata, settings)
+    return parse_lines(list(text.split("\n")), options, metadata, settings, models)
 
 
 def parse_lines(
@@ -138,6 +144,7 @@ def parse_lines(
     options: dict[str, Any],
     metadata: dict[str, Any],
     settings: ApiSettings,
+    models: Collection[str],
 ) -> BatchSubmission:
     window = completion_window_s(options.get("completion_window", "24h"))
     tier = batch_tier(options.get("tier"))
@@ -148,7 +155,7 @@ def parse_lines(
         if isinstance(raw, str) and not raw.strip():
             continue  # blank lines of a JSONL file
         number += 1
-        lines.append(_parse_line(number, raw, seen, settings))
+        lines.append(_parse_line(number, raw, seen, settings, models))
     if not lines:
         raise InvalidRequest(ErrorCode.INVALID_REQUEST, "the batch has no lines")
     if len(lines) > settings.batch_max_lines:
@@ -159,7 +166,9 @@ def parse_lines(
     return BatchSubmission(window, tier, metadata, lines)
 
 
-def _parse_line(number: int, raw: object, seen: set[str], settings: ApiSettings) -> ParsedLine:
+def _parse_line(
+    number: int, raw: object, seen: set[str], settings: ApiSettings, models: Collection[str]
+) -> ParsedLine:
     custom_id: str | None = None
 
     def bad(code: ErrorCode, message: str) -> ParsedLine:
@@ -200,6 +209,10 @@ def _parse_line(number: int, raw: object, seen: set[str], settings: ApiSettings)
         chat = parse_chat_request(json.dumps(body).encode(), settings)
     except KvgateError as exc:
         return _invalid(number, cid, exc.code, exc.message)
+    if chat.model not in models:
+        served = ", ".join(repr(m) for m in sorted(models))
+        message = f"model {chat.model!r} does not exist; this fleet serves {served}"
+        return _invalid(number, cid, ErrorCode.MODEL_NOT_FOUND, message)
     if chat.stream:
         return _invalid(number, cid, ErrorCode.UNSUPPORTED_PARAMETER, "stream is not allowed")
     return ParsedLine(number, cid, session, bool(raw.get("parallel", False)), body)

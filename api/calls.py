@@ -23,7 +23,14 @@ from api.state import FrontDoor
 from broker.errors import DeadlineExceeded, KvgateError
 from broker.telemetry import inject_headers, tracer
 from schemas.vocab import ErrorCode
-from schemas.wire import CANCEL_SUBJECT_PREFIX, CallEnvelope, Done, Failed, TokenDelta
+from schemas.wire import (
+    CANCEL_SUBJECT_PREFIX,
+    CallEnvelope,
+    Done,
+    Failed,
+    TokenDelta,
+    call_subject,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +66,7 @@ async def follow_call(
         attributes={
             **attributes,
             "messaging.system": "nats",
-            "messaging.destination.name": call.tier.subject,
+            "messaging.destination.name": call_subject(call.tier, call.model),
             "kvgate.deadline_ms": call.deadline_ms,
         },
     )

@@ -117,13 +117,6 @@ def _checked(model: type[RequestT], raw: dict[str, Any], settings: ApiSettings) 
         call = model.model_validate(raw)
     except ValidationError as exc:
         raise _from_validation_error(exc) from None
-    if call.model != settings.served_model_name:
-        raise InvalidRequest(
-            ErrorCode.MODEL_NOT_FOUND,
-            f"model {call.model!r} does not exist; this server serves "
-            f"{settings.served_model_name!r}",
-            param="model",
-        )
     max_tokens = call.requested_max_tokens()
     if max_tokens is not None:
         if max_tokens < 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
@@ -12,13 +14,17 @@ from api.admission import Admitter
 from api.batch_runner import BatchRunner
 from api.metrics import FrontDoorMetrics
 from api.replies import ReplyRouter
+from broker.errors import InvalidRequest, Refused
 from broker.fleet import FleetView, FleetWatcher
 from broker.publisher import CallPublisher
 from broker.settings import ApiSettings
+from schemas.vocab import ErrorCode
 
 
 @dataclass
 class FrontDoor:
+    """Everything a request handler reaches through ``FrontDoorDep``."""
+
     settings: ApiSettings
     nc: NATS
     js: JetStreamContext
@@ -31,3 +37,26 @@ class FrontDoor:
     batch_engine: Engine
     batch_runner: BatchRunner
     started_s: int
+
+    def known_models(self) -> set[str]:
+        """The models calls may name: those the fleet's workers serve, and the one this front
+        door is configured to expect even before any of its workers is up."""
+        return self.fleet.known_models() | {self.settings.served_model_name}
+
+    def check_model(self, model: str) -> None:
+        """Raise ``model_not_found`` (404) for a model this fleet does not serve, and defer
+        (503 ``no_workers``) a known one while no live worker serves it."""
+        if model not in self.known_models():
+            served = ", ".join(repr(m) for m in sorted(self.known_models()))
+            raise InvalidRequest(
+                ErrorCode.MODEL_NOT_FOUND,
+                f"model {model!r} does not exist; this fleet serves {served}",
+                param="model",
+            )
+        if model not in self.fleet.models(int(time.time() * 1000)):
+            raise Refused(
+                ErrorCode.NO_WORKERS,
+                f"no live worker serves model {model!r}",
+                decision="defer",
+                retry_after=math.ceil(self.admitter.policy.default_retry_after_s),
+            )

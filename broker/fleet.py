@@ -82,6 +82,19 @@ class FleetView:
     def serving(self, now_ms: int) -> list[WorkerHeartbeat]:
         return [hb for hb in self.live(now_ms) if not hb.draining]
 
+    def models(self, now_ms: int) -> dict[str, list[WorkerHeartbeat]]:
+        """Each model the serving workers serve, with those workers."""
+        served: dict[str, list[WorkerHeartbeat]] = {}
+        for hb in self.serving(now_ms):
+            served.setdefault(hb.model, []).append(hb)
+        return served
+
+    def known_models(self) -> set[str]:
+        """Every model a worker in the bucket serves, stale and draining ones included: a
+        model whose workers are restarting is still this fleet's (calls to it wait or are
+        deferred, not refused as unknown). An entry leaves with its worker's TTL."""
+        return {hb.model for hb in self._workers.values()}
+
 
 class FleetWatcher:
     def __init__(self, kv: KeyValue, view: FleetView) -> None:

@@ -1,4 +1,5 @@
-"""Publish admitted calls onto their tier's JetStream subject, with the deadline attached."""
+"""Publish admitted calls onto their tier's and model's JetStream subject, with the deadline
+attached."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError
 
 from broker.errors import BrokerUnavailable, DeadlineExceeded, QueueFull
-from schemas.wire import STREAM_NAME, WIRE_VERSION, CallEnvelope, Header, encode
+from schemas.wire import STREAM_NAME, WIRE_VERSION, CallEnvelope, Header, call_subject, encode
 
 # JetStream API error codes (server's `err_code`) that mean the stream is at its limits.
 _STREAM_FULL_CODES = frozenset({10077, 10047, 10028})
@@ -62,7 +63,7 @@ class CallPublisher:
         ttl_s = max(1, math.ceil(remaining_ms / 1000))
         try:
             ack = await self._js.publish(
-                call.tier.subject,
+                call_subject(call.tier, call.model),
                 encode(call),
                 timeout=self._timeout,
                 stream=STREAM_NAME,

@@ -43,8 +43,9 @@ class ApiSettings(BaseSettings):
     nats_url: str = f"nats://127.0.0.1:{DEFAULT_NATS_PORT}"
     host: str = "127.0.0.1"
     port: int = 8000
-    # Model names this front door accepts. The fleet serves one model; its workers advertise
-    # the same name in their heartbeats.
+    # The model this front door expects even before any of its workers is up: calls to it
+    # are deferred (503 no_workers), not refused as unknown. Every model a worker advertises
+    # in its heartbeat is served too, each on its own queue.
     served_model_name: str = "kvgate-dev"
     default_tier: Tier = Tier.STANDARD
     default_deadline_s: float = Field(default=120.0, gt=0)

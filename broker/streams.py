@@ -1,10 +1,11 @@
 """Provision the JetStream layout kvgate needs; safe to run from every process at start-up.
 
-- Stream ``KVGATE_CALLS`` on ``kvgate.calls.<tier>``: work-queue retention (a call is removed
-  once acked), per-message TTL (the server drops a call whose deadline passed before anyone
-  fetched it), discard-new when full (a publisher learns at once that the queue is full instead
-  of silently pushing out older calls).
-- One durable pull consumer per tier, shared by every worker; explicit ack.
+- Stream ``KVGATE_CALLS`` on ``kvgate.calls.<tier>.<model token>``: work-queue retention (a call
+  is removed once acked), per-message TTL (the server drops a call whose deadline passed before
+  anyone fetched it), discard-new when full (a publisher learns at once that the queue is full
+  instead of silently pushing out older calls).
+- One durable pull consumer per tier and model, shared by every worker serving that model;
+  explicit ack. Workers create their model's consumers; front doors only publish.
 - KV bucket ``KVGATE_WORKERS`` for worker heartbeats, with a TTL.
 - Stream ``KVGATE_RESULTS`` on ``kvgate.results.<batch id>``: batch call results, work-queue
   retention (removed once the collector has written them to the database and acked), file
@@ -29,6 +30,8 @@ from schemas.wire import (
     RESULTS_STREAM,
     STREAM_NAME,
     WORKERS_BUCKET,
+    call_subject,
+    consumer_name,
 )
 
 log = logging.getLogger(__name__)
@@ -37,8 +40,8 @@ log = logging.getLogger(__name__)
 def stream_config(settings: StreamSettings) -> js_api.StreamConfig:
     return js_api.StreamConfig(
         name=STREAM_NAME,
-        description="kvgate agent calls, one subject per service tier",
-        subjects=[f"{CALL_SUBJECT_PREFIX}*"],
+        description="kvgate agent calls, one subject per service tier and model",
+        subjects=[f"{CALL_SUBJECT_PREFIX}>"],
         retention=js_api.RetentionPolicy.WORK_QUEUE,
         discard=js_api.DiscardPolicy.NEW,
         storage=js_api.StorageType.FILE,
@@ -50,11 +53,11 @@ def stream_config(settings: StreamSettings) -> js_api.StreamConfig:
     )
 
 
-def consumer_config(tier: Tier, settings: StreamSettings) -> js_api.ConsumerConfig:
+def consumer_config(tier: Tier, model: str, settings: StreamSettings) -> js_api.ConsumerConfig:
     return js_api.ConsumerConfig(
-        durable_name=tier.consumer,
-        description=f"kvgate workers, tier {tier.value}",
-        filter_subject=tier.subject,
+        durable_name=consumer_name(tier, model),
+        description=f"kvgate workers serving {model}, tier {tier.value}",
+        filter_subject=call_subject(tier, model),
         deliver_policy=js_api.DeliverPolicy.ALL,
         ack_policy=js_api.AckPolicy.EXPLICIT,
         ack_wait=settings.ack_wait_s,
@@ -74,12 +77,17 @@ async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig) -> N
         await js.update_stream(config)
 
 
-async def provision_calls(js: JetStreamContext, settings: StreamSettings) -> None:
-    """Create the stream and tier consumers, or bring existing ones to ``settings``."""
+async def provision_calls(
+    js: JetStreamContext, settings: StreamSettings, model: str | None = None
+) -> None:
+    """Create the stream, and ``model``'s tier consumers when a worker serving it starts, or
+    bring existing ones to ``settings``."""
     await _ensure_stream(js, stream_config(settings))
+    if model is None:
+        return
     for tier in TIERS_BY_PRIORITY:
         # Creating a durable with the same name acts as create-or-update on the server.
-        await js.add_consumer(STREAM_NAME, consumer_config(tier, settings))
+        await js.add_consumer(STREAM_NAME, consumer_config(tier, model, settings))
 
 
 COLLECTOR = "kvgate-collector"

@@ -92,6 +92,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "kvgate"
+    max_model_len: int | None = None
+    """As vLLM lists it: the longest prompt plus output the model's workers take."""
 
 
 class ModelList(BaseModel):

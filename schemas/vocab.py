@@ -21,14 +21,6 @@ class Tier(enum.StrEnum):
         """vLLM request priority: lower is served first."""
         return _TIER_ORDER.index(self)
 
-    @property
-    def subject(self) -> str:
-        return f"kvgate.calls.{self.value}"
-
-    @property
-    def consumer(self) -> str:
-        return f"kvgate-{self.value}"
-
 
 _TIER_ORDER: tuple[Tier, ...] = (Tier.GUARANTEED, Tier.STANDARD, Tier.BESTEFFORT)
 TIERS_BY_PRIORITY: tuple[Tier, ...] = _TIER_ORDER

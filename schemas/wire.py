@@ -1,6 +1,7 @@
-"""The wire protocol between the front door and the workers (version 2).
+"""The wire protocol between the front door and the workers (version 3: a queue per model).
 
-Calls travel on JetStream subject ``kvgate.calls.<tier>`` as a msgpack-encoded ``CallEnvelope``
+Calls travel on JetStream subject ``kvgate.calls.<tier>.<model token>`` (``call_subject``) as a
+msgpack-encoded ``CallEnvelope``
 with the headers named below. The envelope carries the request body exactly as the agent sent
 it (chat completions or completions, every field) beside what kvgate decided about it; the
 worker hands the body to vLLM's own OpenAI serving layer. Replies travel on core NATS to the
@@ -18,13 +19,15 @@ Invariants a reader must not break:
 
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Annotated, Final
 
 import msgspec
 
 from schemas.vocab import Endpoint, ErrorCode, FinishReason, Tier
 
-WIRE_VERSION: Final = 2
+WIRE_VERSION: Final = 3
 
 STREAM_NAME: Final = "KVGATE_CALLS"
 CALL_SUBJECT_PREFIX: Final = "kvgate.calls."
@@ -32,6 +35,31 @@ CANCEL_SUBJECT_PREFIX: Final = "kvgate.cancel."
 WORKERS_BUCKET: Final = "KVGATE_WORKERS"
 RESULTS_STREAM: Final = "KVGATE_RESULTS"
 RESULT_SUBJECT_PREFIX: Final = "kvgate.results."
+
+
+_UNSAFE_IN_TOKEN = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def model_token(model: str) -> str:
+    """A served model name as one subject token (names hold ``/`` and ``.``): a readable slug,
+    then 8 hex digits of the name's hash, so two names that slug alike never share a queue."""
+    slug = _UNSAFE_IN_TOKEN.sub("_", model).strip("_")[:48] or "model"
+    return f"{slug}-{hashlib.sha256(model.encode()).hexdigest()[:8]}"
+
+
+def call_subject(tier: Tier, model: str) -> str:
+    """Where calls for ``model`` at ``tier`` are queued; only that model's workers pull it."""
+    return f"{CALL_SUBJECT_PREFIX}{tier.value}.{model_token(model)}"
+
+
+def tier_subjects(tier: Tier) -> str:
+    """Every model's calls at ``tier`` (a subject filter)."""
+    return f"{CALL_SUBJECT_PREFIX}{tier.value}.*"
+
+
+def consumer_name(tier: Tier, model: str) -> str:
+    """The durable pull consumer shared by every worker serving ``model``, for one tier."""
+    return f"kvgate-{tier.value}-{model_token(model)}"
 
 
 class Header:
@@ -141,6 +169,7 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True):
     max_num_seqs: int
     kv_capacity_tokens: int | None
     draining: bool = False
+    max_model_len: int | None = None
     staged: int = 0
     """Calls fetched but not yet handed to the engine."""
     committed_tokens: int = 0

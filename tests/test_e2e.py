@@ -11,6 +11,9 @@ import openai
 import pytest
 
 from tests.conftest import Stack
+from tests.polling import poll_until
+from workers.sim_engine import SimEngine, SimEngineConfig
+from workers.worker import Worker, WorkerOptions
 
 MODEL = "kvgate-dev"
 
@@ -48,7 +51,65 @@ async def test_models_lists_the_served_model(stack: Stack) -> None:
     async with httpx.AsyncClient(base_url=stack.base_url) as client:
         resp = await client.get("/v1/models")
     assert resp.status_code == 200
-    assert [m["id"] for m in resp.json()["data"]] == [MODEL]
+    (card,) = resp.json()["data"]
+    assert card["id"] == MODEL
+    assert card["max_model_len"] == 1024  # the test worker's setting (tests/procs.py)
+
+
+def model_ids(resp: httpx.Response) -> list[str]:
+    return [m["id"] for m in resp.json()["data"]]
+
+
+async def test_each_model_is_routed_to_the_workers_that_serve_it(stack: Stack) -> None:
+    """A second worker serving another model (a simulated engine: the routing under test is
+    NATS's, and a second vLLM engine would not fit beside the first on two cores)."""
+    other = "org/sim.model-b"
+    engine = SimEngine(SimEngineConfig(served_model_name=other, max_model_len=512, step_s=0.002))
+    options = WorkerOptions(
+        nats_url=stack.nats.url, worker_id="sim-b", pull_expires_s=2, heartbeat_interval_s=0.3
+    )
+    worker = Worker(engine, options)
+    task = asyncio.create_task(worker.run())
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        try:
+            listed = await poll_until(
+                lambda: client.get("/v1/models"), lambda r: other in model_ids(r), timeout_s=30
+            )
+            cards = {m["id"]: m for m in listed.json()["data"]}
+            assert sorted(cards) == sorted([MODEL, other])
+            assert cards[other]["max_model_len"] == 512
+            for _ in range(3):
+                for model, worker_id in ((MODEL, "w1"), (other, "sim-b")):
+                    resp = await client.post(
+                        "/v1/chat/completions", json=chat_body(model=model, max_tokens=4)
+                    )
+                    assert resp.status_code == 200, resp.text
+                    assert resp.headers["x-kvgate-worker"] == worker_id
+                    assert resp.json()["model"] == model
+            streamed = await client.post(
+                "/v1/chat/completions", json=chat_body(model=other, max_tokens=4, stream=True)
+            )
+            assert streamed.headers["x-kvgate-worker"] == "sim-b"
+            assert sse_events(streamed.content)[-1] == "[DONE]"
+
+            unknown = await client.post("/v1/chat/completions", json=chat_body(model="gpt-9"))
+            assert unknown.status_code == 404
+            error = unknown.json()["error"]
+            assert (error["code"], error["param"]) == ("model_not_found", "model")
+            assert MODEL in error["message"] and other in error["message"]
+        finally:
+            worker.request_stop()
+            await asyncio.wait_for(task, 15)
+        # A worker that stops takes its heartbeat with it: its model is no longer served.
+        await poll_until(
+            lambda: client.get("/v1/models"), lambda r: model_ids(r) == [MODEL], timeout_s=15
+        )
+        gone = await poll_until(
+            lambda: client.post("/v1/chat/completions", json=chat_body(model=other)),
+            lambda r: r.status_code != 503,  # 503 no_workers while its last beat says draining
+            timeout_s=15,
+        )
+        assert gone.status_code == 404, gone.text
 
 
 async def test_non_streamed_completion_over_http(stack: Stack) -> None:

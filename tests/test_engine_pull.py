@@ -103,7 +103,7 @@ async def test_a_call_past_its_deadline_is_never_started_by_the_worker(stack: St
     the caller ``deadline_exceeded``."""
     import nats
 
-    from schemas.wire import Failed, decode_event, encode
+    from schemas.wire import Failed, call_subject, decode_event, encode
     from tests.test_streams import make_call
 
     stale = make_call("stale-real", deadline_in_s=-1)
@@ -121,7 +121,7 @@ async def test_a_call_past_its_deadline_is_never_started_by_the_worker(stack: St
             await nc.subscribe("_INBOX.test.stale-real", cb=on_event)
             headers = {"Kvgate-Call": "stale-real", "Kvgate-Reply": "_INBOX.test.stale-real"}
             await nc.jetstream().publish(
-                stale.tier.subject, encode(stale), headers=headers, msg_ttl=30
+                call_subject(stale.tier, stale.model), encode(stale), headers=headers, msg_ttl=30
             )
             await asyncio.wait_for(ended.wait(), 10)
             await asyncio.sleep(0.6)

@@ -19,7 +19,7 @@ from broker.settings import StreamSettings
 from broker.streams import provision_calls
 from tests.conftest import Stack
 from tests.procs import KVGATE, start_api
-from tests.test_streams import make_call
+from tests.test_streams import MODEL, make_call
 from workers.sim_engine import SimEngine, SimEngineConfig
 from workers.worker import Worker, WorkerOptions
 
@@ -75,7 +75,7 @@ async def test_lag_reports_pending_calls_then_drains(
         assert table.splitlines()[0].split()[:2] == ["TIER", "PENDING"]
 
         worker = Worker(
-            SimEngine(SimEngineConfig(step_s=0.001)),
+            SimEngine(SimEngineConfig(served_model_name=MODEL, step_s=0.001)),
             WorkerOptions(nats_url=nats_server.url, worker_id="sim-lag", pull_expires_s=2),
         )
         task = asyncio.create_task(worker.run())

@@ -12,13 +12,13 @@ from broker.publisher import CallPublisher
 from broker.settings import StreamSettings
 from broker.streams import provision_calls
 from schemas.vocab import Tier
-from tests.test_streams import make_call
+from tests.test_streams import MODEL, make_call
 from workers.puller import TierPuller
 
 
 async def test_a_call_arrives_at_once_on_open_credit_and_credit_is_counted(nc: NATS) -> None:
     js = nc.jetstream()
-    await provision_calls(js, StreamSettings())
+    await provision_calls(js, StreamSettings(), MODEL)
     received: list[tuple[float, Msg]] = []
     arrived = asyncio.Event()
 
@@ -26,7 +26,7 @@ async def test_a_call_arrives_at_once_on_open_credit_and_credit_is_counted(nc: N
         received.append((time.monotonic(), msg))
         arrived.set()
 
-    puller = TierPuller(nc, Tier.STANDARD, on_message, lambda: None, expires_s=30)
+    puller = TierPuller(nc, Tier.STANDARD, MODEL, on_message, lambda: None, expires_s=30)
     await puller.start()
     await puller.request(3)
     await nc.flush()
@@ -47,9 +47,9 @@ async def test_a_call_arrives_at_once_on_open_credit_and_credit_is_counted(nc: N
 
 async def test_expired_requests_release_their_credit(nc: NATS) -> None:
     js = nc.jetstream()
-    await provision_calls(js, StreamSettings())
+    await provision_calls(js, StreamSettings(), MODEL)
     changed = asyncio.Event()
-    puller = TierPuller(nc, Tier.BESTEFFORT, lambda t, m: None, changed.set, expires_s=0.3)
+    puller = TierPuller(nc, Tier.BESTEFFORT, MODEL, lambda t, m: None, changed.set, expires_s=0.3)
     await puller.start()
     await puller.request(4)
     assert puller.outstanding == 4
@@ -60,7 +60,7 @@ async def test_expired_requests_release_their_credit(nc: NATS) -> None:
 
 async def test_backlog_is_read_from_the_delivered_message(nc: NATS) -> None:
     js = nc.jetstream()
-    await provision_calls(js, StreamSettings())
+    await provision_calls(js, StreamSettings(), MODEL)
     publisher = CallPublisher(js)
     for i in range(5):
         call = make_call(f"c{i}", tier=Tier.GUARANTEED)
@@ -72,7 +72,7 @@ async def test_backlog_is_read_from_the_delivered_message(nc: NATS) -> None:
         got.append(msg)
         arrived.set()
 
-    puller = TierPuller(nc, Tier.GUARANTEED, on_message, lambda: None, expires_s=5)
+    puller = TierPuller(nc, Tier.GUARANTEED, MODEL, on_message, lambda: None, expires_s=5)
     await puller.start()
     await puller.request(1)
     await asyncio.wait_for(arrived.wait(), 5)

@@ -12,26 +12,27 @@ from nats.js import api as js_api
 from nats.js.errors import KeyNotFoundError
 
 from broker.errors import DeadlineExceeded, QueueFull
+from broker.lag import fleet_lag
 from broker.publisher import CallPublisher
 from broker.settings import StreamSettings
-from broker.streams import provision_calls, workers_bucket
+from broker.streams import provision_calls, stream_config, workers_bucket
 from schemas.vocab import TIERS_BY_PRIORITY, Endpoint, Tier
-from schemas.wire import STREAM_NAME, CallEnvelope, Header
+from schemas.wire import STREAM_NAME, CallEnvelope, Header, consumer_name, model_token
+
+MODEL = "kvgate-dev"
 
 
 def make_call(
-    call_id: str, *, tier: Tier = Tier.STANDARD, deadline_in_s: float = 30
+    call_id: str, *, tier: Tier = Tier.STANDARD, deadline_in_s: float = 30, model: str = MODEL
 ) -> CallEnvelope:
     now_ms = int(time.time() * 1000)
     return CallEnvelope(
         call_id=call_id,
         session_id="s1",
         tier=tier,
-        model="kvgate-dev",
+        model=model,
         endpoint=Endpoint.CHAT_COMPLETIONS,
-        body=json.dumps(
-            {"model": "kvgate-dev", "messages": [{"role": "user", "content": "hi"}]}
-        ).encode(),
+        body=json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode(),
         stream=False,
         max_tokens=4,
         deadline_ms=now_ms + int(deadline_in_s * 1000),
@@ -42,36 +43,38 @@ def make_call(
 async def test_provisioning_is_idempotent_and_matches_the_design(nc: NATS) -> None:
     js = nc.jetstream()
     settings = StreamSettings()
-    await provision_calls(js, settings)
-    await provision_calls(js, settings)  # a second process starting up
+    await provision_calls(js, settings, MODEL)
+    await provision_calls(js, settings, MODEL)  # a second worker starting up
+    await provision_calls(js, settings)  # a front door
     info = await js.stream_info(STREAM_NAME)
-    assert info.config.subjects == ["kvgate.calls.*"]
+    assert info.config.subjects == ["kvgate.calls.>"]
     assert info.config.retention == js_api.RetentionPolicy.WORK_QUEUE
     assert info.config.discard == js_api.DiscardPolicy.NEW
     assert info.config.allow_msg_ttl is True
     for tier in TIERS_BY_PRIORITY:
-        consumer = await js.consumer_info(STREAM_NAME, tier.consumer)
-        assert consumer.config.durable_name == f"kvgate-{tier.value}"
-        assert consumer.config.filter_subject == f"kvgate.calls.{tier.value}"
+        consumer = await js.consumer_info(STREAM_NAME, consumer_name(tier, MODEL))
+        token = model_token(MODEL)
+        assert consumer.config.durable_name == f"kvgate-{tier.value}-{token}"
+        assert consumer.config.filter_subject == f"kvgate.calls.{tier.value}.{token}"
         assert consumer.config.ack_policy == js_api.AckPolicy.EXPLICIT
         assert consumer.config.max_deliver == settings.max_deliver
 
 
 async def test_provisioning_updates_changed_limits(nc: NATS) -> None:
     js = nc.jetstream()
-    await provision_calls(js, StreamSettings())
-    await provision_calls(js, StreamSettings(max_msgs=7, max_deliver=5))
+    await provision_calls(js, StreamSettings(), MODEL)
+    await provision_calls(js, StreamSettings(max_msgs=7, max_deliver=5), MODEL)
     assert (await js.stream_info(STREAM_NAME)).config.max_msgs == 7
-    consumer = await js.consumer_info(STREAM_NAME, Tier.GUARANTEED.consumer)
+    consumer = await js.consumer_info(STREAM_NAME, consumer_name(Tier.GUARANTEED, MODEL))
     assert consumer.config.max_deliver == 5
 
 
 async def test_published_call_carries_the_wire_headers(nc: NATS) -> None:
     js = nc.jetstream()
-    await provision_calls(js, StreamSettings())
+    await provision_calls(js, StreamSettings(), MODEL)
     call = make_call("c1", tier=Tier.GUARANTEED)
     await CallPublisher(js).publish(call, "_INBOX.test.c1", now_ms=call.created_ms)
-    sub = await js.pull_subscribe_bind(Tier.GUARANTEED.consumer, stream=STREAM_NAME)
+    sub = await js.pull_subscribe_bind(consumer_name(Tier.GUARANTEED, MODEL), stream=STREAM_NAME)
     (msg,) = await sub.fetch(1, timeout=2)
     assert msg.headers is not None
     assert msg.headers[Header.CALL] == "c1"
@@ -80,6 +83,40 @@ async def test_published_call_carries_the_wire_headers(nc: NATS) -> None:
     assert msg.headers[Header.REPLY] == "_INBOX.test.c1"
     assert msg.headers[Header.DEADLINE] == str(call.deadline_ms)
     assert msg.headers[Header.TTL] == "30"
+
+
+def test_model_tokens_are_subject_safe_and_distinct() -> None:
+    names = ["meta-llama/Llama-3.1-8B", "meta-llama.Llama-3.1-8B", "Qwen/Qwen3 0.6B", "*", ""]
+    tokens = [model_token(name) for name in names]
+    assert len(set(tokens)) == len(names)
+    for token in tokens:
+        assert token and all(c.isalnum() or c in "_-" for c in token), token
+    assert model_token("meta-llama/Llama-3.1-8B").startswith("meta-llama_Llama-3_1-8B-")
+
+
+async def test_each_model_has_its_own_queue(nc: NATS) -> None:
+    js = nc.jetstream()
+    await provision_calls(js, StreamSettings(), MODEL)
+    await provision_calls(js, StreamSettings(), "org/other.model")
+    publisher = CallPublisher(js)
+    for call in (make_call("a"), make_call("b", model="org/other.model")):
+        await publisher.publish(call, "_INBOX.x", now_ms=call.created_ms)
+    for model, expected in ((MODEL, "a"), ("org/other.model", "b")):
+        sub = await js.pull_subscribe_bind(consumer_name(Tier.STANDARD, model), stream=STREAM_NAME)
+        (msg,) = await sub.fetch(1, timeout=2)
+        assert msg.headers is not None and msg.headers[Header.CALL] == expected
+        await msg.ack()
+        with pytest.raises(TimeoutError):
+            await sub.fetch(1, timeout=0.3)
+
+
+async def test_a_stream_of_the_previous_layout_is_brought_to_this_one(nc: NATS) -> None:
+    js = nc.jetstream()
+    old = stream_config(StreamSettings())
+    old.subjects = ["kvgate.calls.*"]
+    await js.add_stream(old)
+    await provision_calls(js, StreamSettings(), MODEL)
+    assert (await js.stream_info(STREAM_NAME)).config.subjects == ["kvgate.calls.>"]
 
 
 async def test_duplicate_publish_is_deduplicated_by_call_id(nc: NATS) -> None:
@@ -136,3 +173,22 @@ async def test_workers_bucket_expires_entries(nc: NATS) -> None:
     await asyncio.sleep(1.6)
     with pytest.raises(KeyNotFoundError):
         await kv.get("w1")
+
+
+async def test_lag_sums_every_models_queue_at_a_tier(nc: NATS) -> None:
+    js = nc.jetstream()
+    await provision_calls(js, StreamSettings(), MODEL)  # model b has no worker yet
+    publisher = CallPublisher(js)
+    calls = [make_call("a1"), make_call("a2"), make_call("b1", model="org/b")]
+    calls.append(make_call("g1", tier=Tier.GUARANTEED, model="org/b"))
+    for call in calls:
+        await publisher.publish(call, "_INBOX.x", now_ms=call.created_ms)
+    sub = await js.pull_subscribe_bind(consumer_name(Tier.STANDARD, MODEL), stream=STREAM_NAME)
+    (delivered,) = await sub.fetch(1, timeout=2)  # a1: delivered, not acked
+    rows = {row.tier: row for row in await fleet_lag(js, now_s=time.time() + 10)}
+    standard = rows[Tier.STANDARD]
+    assert (standard.pending, standard.ack_pending) == (2, 1)
+    assert standard.oldest_pending_age_s is not None and standard.oldest_pending_age_s >= 9
+    assert (rows[Tier.GUARANTEED].pending, rows[Tier.BESTEFFORT].pending) == (1, 0)
+    assert rows[Tier.BESTEFFORT].oldest_pending_age_s is None
+    await delivered.ack()

@@ -25,6 +25,7 @@ from schemas.wire import (
     Done,
     Failed,
     TokenDelta,
+    call_subject,
     decode_event,
     encode,
 )
@@ -185,7 +186,9 @@ async def test_a_call_past_its_deadline_is_never_started(harness: Harness) -> No
     inbox = Inbox()
     await harness.nc.subscribe("_INBOX.test.stale", cb=inbox.on_msg)
     headers = {"Kvgate-Call": "stale", "Kvgate-Reply": "_INBOX.test.stale"}
-    await harness.js.publish(stale.tier.subject, encode(stale), headers=headers, msg_ttl=30)
+    await harness.js.publish(
+        call_subject(stale.tier, stale.model), encode(stale), headers=headers, msg_ttl=30
+    )
     worker = await harness.start_worker()
     await asyncio.wait_for(inbox.ended.wait(), 10)
     failed = inbox.terminal

@@ -100,6 +100,11 @@ class Engine(Protocol):
     @property
     def model_name(self) -> str: ...
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt plus output the engine takes (listed by ``/v1/models``)."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
     async def prepare(self, request: EngineRequest) -> PreparedRequest:

@@ -1,4 +1,5 @@
-"""One tier's pull credit at the server: raw JetStream pull requests that stay open.
+"""One tier's pull credit at the server, on the consumer of the model this worker serves: raw
+JetStream pull requests that stay open.
 
 nats.py's ``fetch(n)`` returns only when ``n`` messages arrived or its timeout ran out, so a
 call that arrives alone waits for the timeout. This class sends the pull request itself and
@@ -18,7 +19,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from schemas.vocab import Tier
-from schemas.wire import STREAM_NAME
+from schemas.wire import STREAM_NAME, consumer_name
 
 _STATUS_HEARTBEAT = "100"
 _STATUS_NO_MESSAGES = "404"
@@ -37,6 +38,7 @@ class TierPuller:
         self,
         nc: NATS,
         tier: Tier,
+        model: str,
         on_message: Callable[[Tier, Msg], None],
         on_change: Callable[[], None],
         *,
@@ -47,7 +49,8 @@ class TierPuller:
         self._on_message = on_message
         self._on_change = on_change
         self._expires_s = expires_s
-        self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{STREAM_NAME}.{tier.consumer}"
+        consumer = consumer_name(tier, model)
+        self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{STREAM_NAME}.{consumer}"
         self._requests: deque[_PullRequest] = deque()
         self._sub: Subscription | None = None
         self._inbox = ""

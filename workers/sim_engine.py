@@ -67,6 +67,10 @@ class SimEngine:
     def model_name(self) -> str:
         return self.config.served_model_name
 
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
     def stats(self) -> EngineStats:
         used = sum(self._running.values())
         return EngineStats(

@@ -175,7 +175,7 @@ class Worker:
         )
         try:
             js = self.nc.jetstream()
-            await provision_calls(js, self.options.stream)
+            await provision_calls(js, self.options.stream, self.engine.model_name)
             await provision_results(js, self.options.stream)
             self._kv = await workers_bucket(js, self.options.stream)
             cancel_sub = await self.nc.subscribe(f"{CANCEL_SUBJECT_PREFIX}*", cb=self._on_cancel)
@@ -183,6 +183,7 @@ class Worker:
                 puller = TierPuller(
                     self.nc,
                     tier,
+                    self.engine.model_name,
                     self._on_message,
                     self._changed.set,
                     expires_s=self.options.pull_expires_s,
@@ -603,6 +604,7 @@ class Worker:
             max_num_seqs=stats.max_num_seqs,
             kv_capacity_tokens=stats.kv_capacity_tokens,
             draining=draining,
+            max_model_len=self.engine.max_model_len,
             staged=len(self._staged),
             committed_tokens=self._committed_tokens,
             num_preemptions=stats.num_preemptions,

@@ -62,9 +62,10 @@ async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) 
             raise KvgateError(
                 ErrorCode.NOT_FOUND, f"no file {input_file_id!r}", param="input_file_id"
             )
-        submission = parse_file_submission(found[1], {**request.query_params, **obj}, settings)
+        options = {**request.query_params, **obj}
+        submission = parse_file_submission(found[1], options, settings, door.known_models())
     else:
-        submission = parse_submission(request, raw, settings, obj)
+        submission = parse_submission(request, raw, settings, door.known_models(), obj)
     tier = submission.tier or Tier.BESTEFFORT
     check_tier(tier, tenant)
     valid = [line for line in submission.lines if line.error is None]

@@ -108,6 +108,7 @@ async def _serve_call(
                 f"{TIER_HEADER} {named!r} differs from the session's tier {record.tier.value!r}",
                 param=TIER_HEADER,
             )
+        door.check_model(parsed.model)
         left_s = record.deadline_ms / 1000 - time.time()
         call = to_envelope(
             parsed,
@@ -121,6 +122,7 @@ async def _serve_call(
     else:
         tier = call_tier(request, settings, ceiling=tenant.max_tier)
         check_tier(tier, tenant)
+        door.check_model(parsed.model)
         call = to_envelope(parsed, body, settings, tier=tier, timeout_s=timeout_s)
         need = session_need_for_call(
             tier, call.est_prompt_tokens, call.max_tokens * parsed.n, timeout_s
