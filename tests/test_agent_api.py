@@ -109,7 +109,13 @@ def check_call(name: str, arguments: str) -> None:
     jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
-async def test_a_named_tool_choice_gives_a_valid_call(client: openai.AsyncOpenAI) -> None:
+async def test_a_named_tool_choice_gives_a_valid_call(
+    client: openai.AsyncOpenAI, json_bias: dict[str, int]
+) -> None:
+    await named_tool_choice(client, json_bias)
+
+
+async def named_tool_choice(client: openai.AsyncOpenAI, json_bias: dict[str, int]) -> None:
     request = {
         "model": MODEL,
         "messages": ASK,
@@ -138,6 +144,10 @@ async def test_a_named_tool_choice_gives_a_valid_call(client: openai.AsyncOpenAI
 async def test_required_tool_choice_calls_a_tool_and_none_calls_none(
     client: openai.AsyncOpenAI, json_bias: dict[str, int]
 ) -> None:
+    await required_and_none(client, json_bias)
+
+
+async def required_and_none(client: openai.AsyncOpenAI, json_bias: dict[str, int]) -> None:
     reply = await chat(
         client,
         model=MODEL,
@@ -164,8 +174,12 @@ async def test_required_tool_choice_calls_a_tool_and_none_calls_none(
 
 
 async def test_tool_calls_and_results_in_the_history_reach_the_prompt(
-    client: openai.AsyncOpenAI,
+    client: openai.AsyncOpenAI, json_bias: dict[str, int]
 ) -> None:
+    await history_in_prompt(client, json_bias)
+
+
+async def history_in_prompt(client: openai.AsyncOpenAI, json_bias: dict[str, int]) -> None:
     async def prompt_tokens(messages: list[dict[str, Any]]) -> int:
         reply = await chat(
             client,
@@ -201,6 +215,10 @@ async def test_tool_calls_and_results_in_the_history_reach_the_prompt(
 async def test_response_format_json_schema_and_json_object(
     client: openai.AsyncOpenAI, json_bias: dict[str, int]
 ) -> None:
+    await response_format(client, json_bias)
+
+
+async def response_format(client: openai.AsyncOpenAI, json_bias: dict[str, int]) -> None:
     reply = await chat(
         client,
         model=MODEL,
@@ -224,7 +242,11 @@ async def test_response_format_json_schema_and_json_object(
     assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
 
 
-async def test_logprobs_and_n(client: openai.AsyncOpenAI) -> None:
+async def test_logprobs_and_n(client: openai.AsyncOpenAI, json_bias: dict[str, int]) -> None:
+    await logprobs_and_n(client, json_bias)
+
+
+async def logprobs_and_n(client: openai.AsyncOpenAI, json_bias: dict[str, int]) -> None:
     reply = await chat(
         client,
         model=MODEL,
@@ -245,7 +267,13 @@ async def test_logprobs_and_n(client: openai.AsyncOpenAI) -> None:
     assert reply.usage is not None and reply.usage.completion_tokens == 8
 
 
-async def test_completions_streamed_and_not(client: openai.AsyncOpenAI) -> None:
+async def test_completions_streamed_and_not(
+    client: openai.AsyncOpenAI, json_bias: dict[str, int]
+) -> None:
+    await completions(client, json_bias)
+
+
+async def completions(client: openai.AsyncOpenAI, json_bias: dict[str, int]) -> None:
     reply = await complete(
         client, model=MODEL, prompt="the agent calls", max_tokens=5, extra_body={"ignore_eos": True}
     )
@@ -300,37 +328,47 @@ async def test_vllm_refusals_reach_the_caller_as_its_4xx(stack: Stack) -> None:
     assert "logprobs" in resp.json()["error"]["message"]
 
 
+FEATURES = [
+    named_tool_choice,
+    required_and_none,
+    history_in_prompt,
+    response_format,
+    logprobs_and_n,
+    completions,
+]
+
+
 @pytest.mark.parametrize("tier", ["guaranteed", "standard", "besteffort"])
-async def test_tool_calls_in_a_session_under_each_tier(
-    stack: Stack, client: openai.AsyncOpenAI, tier: str
+async def test_every_feature_in_a_session_under_each_tier(
+    stack: Stack, json_bias: dict[str, int], tier: str
 ) -> None:
+    """Each check above again, as calls of one admitted session at ``tier``."""
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http:
         created = await http.post(
             "/v1/sessions",
             json={
                 "tier": tier,
                 "max_parallel": 2,
-                "expected_calls": 2,
+                "expected_calls": 20,
                 "est_prompt_tokens": 300,
-                "est_output_tokens": 100,
+                "est_output_tokens": 160,
             },
         )
         assert created.status_code == 201, created.text
         session = created.json()["id"]
+        in_session = openai.AsyncOpenAI(
+            base_url=stack.base_url + "/v1",
+            api_key="unused",
+            max_retries=0,
+            default_headers={"X-Kvgate-Session": session},
+        )
         try:
-            reply = await chat(
-                client,
-                model=MODEL,
-                messages=ASK,
-                tools=TOOLS,
-                tool_choice={"type": "function", "function": {"name": "get_time"}},
-                max_tokens=80,
-                extra_headers={"X-Kvgate-Session": session},
-            )
-            calls = reply.choices[0].message.tool_calls
-            assert calls
-            check_call(calls[0].function.name, calls[0].function.arguments)
+            for feature in FEATURES:
+                await feature(in_session, json_bias)
+            used = (await http.get(f"/v1/sessions/{session}")).json()
+            assert used["calls_started"] == 12, used  # every call of the checks, in the session
         finally:
+            await in_session.close()
             await http.delete(f"/v1/sessions/{session}")
 
 
