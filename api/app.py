@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -90,6 +91,10 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 "in Redis" if settings.redis_url else "in-process",
                 make_url(engine_url(settings.database_url)).render_as_string(),
             )
+            # The start-up heap is frozen, as `vllm serve` does: no full collection walks
+            # it while calls are served.
+            gc.collect()
+            gc.freeze()
             yield
             await runner.stop()
             batch_engine.dispose()

@@ -86,7 +86,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     setup_tracing("kvgate-worker")
     try:
-        return asyncio.run(serve(settings))
+        # The event loop `vllm serve` runs on (and uvicorn picks for the front door): every
+        # call crosses it several times before its first token (NATS, the serving layer, the
+        # engine's output handler).
+        import uvloop
+
+        return uvloop.run(serve(settings))
     finally:
         shutdown_tracing()
 

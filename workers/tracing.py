@@ -70,8 +70,11 @@ class CallTrace:
         )
         return cls(context, published_ms, attributes, fetch)
 
-    def staged(self, cost_tokens: int) -> None:
-        self.fetch.set_attribute("kvgate.cost_tokens", cost_tokens)
+    def staged(self, cost_tokens: int, prepare_ms: float) -> None:
+        """Rendered by the serving layer (``prepare_ms`` of the fetch) and waiting to start."""
+        self.fetch.set_attributes(
+            {"kvgate.cost_tokens": cost_tokens, "kvgate.prepare_ms": round(prepare_ms, 3)}
+        )
 
     def refused(self, reason: str) -> None:
         """The call ends here unstarted."""

@@ -383,6 +383,7 @@ class Worker:
             call_id, envelope.endpoint, body, envelope.max_tokens, tier.priority
         )
         self._preparing.add(call_id)
+        preparing_since = time.perf_counter()
         try:
             prepared = await self.engine.prepare(request)
         except EngineRequestError as exc:
@@ -414,7 +415,7 @@ class Worker:
         self._est_call_tokens += _COST_EWMA * (cost - self._est_call_tokens)
         staged = StagedCall(call_id, tier, cost, time.monotonic())
         progress = asyncio.create_task(self._keep_in_progress(msg))
-        spans.staged(cost)
+        spans.staged(cost, (time.perf_counter() - preparing_since) * 1000)
         self._staged[call_id] = _Call(msg, envelope, prepared, staged, relay, progress, spans)
         self._changed.set()
 

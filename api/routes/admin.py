@@ -15,7 +15,7 @@ from broker.lag import fleet_lag
 from schemas.vocab import ErrorCode
 
 
-def require_admin(request: Request, door: FrontDoorDep) -> None:
+async def require_admin(request: Request, door: FrontDoorDep) -> None:
     expected = door.settings.admin_token
     given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     if not expected or not given or not hmac.compare_digest(given, expected):
