@@ -173,7 +173,8 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True):
     staged: int = 0
     """Calls fetched but not yet handed to the engine."""
     committed_tokens: int = 0
-    """Worst-case KV tokens reserved by the calls the engine holds."""
+    """The predicted peak of the KV tokens of the calls the engine runs (each to its whole
+    ``max_tokens``; ``workers/headroom.py``)."""
     num_preemptions: int = 0
     generated_tokens: int = 0
     completed: int = 0

@@ -3,21 +3,29 @@ calls the worker already holds. No I/O; the clock is passed in.
 
 Accounting, per worker:
 
-- *committed*: every call handed to the engine reserves its worst case, prompt tokens plus
-  ``max_tokens``, rounded up to whole KV blocks, until it ends. The engine's own KV usage is
-  read too, and the larger of the two counts, so a reading the worker has not caught up with
-  (or an estimate that was short) never makes room appear that is not there.
+- *committed*: the predicted peak of the calls the engine runs: the most KV tokens they will
+  hold at one time if every one of them runs to its full ``max_tokens``. Each call holds its
+  prompt and the tokens generated so far, and may add what is left of its budget; calls end
+  at different times, so the peak is below the sum of their worst cases (LightLLM's
+  "past-future" rule, arXiv 2507.10150: with calls sorted by what they have left, the peak is
+  the largest, over k, of what the first k hold now plus k times what the k-th has left). As
+  calls generate, what they hold grows exactly as what they have left shrinks, so the peak
+  moves only when a call starts or ends. The engine's own KV usage is read too, and the
+  larger of the two counts, so a reading the worker has not caught up with never makes room
+  appear that is not there.
 - *staged*: calls fetched from JetStream but not yet handed to the engine (they did not fit
   when they arrived). They are started in tier order as room frees.
 
-Invariant: committed tokens stay at or under ``high_water * KV capacity`` (a single call
-larger than that runs only on an otherwise empty engine), so the engine never has to preempt.
+Invariant: the committed peak stays at or under ``high_water * KV capacity`` (a single call
+larger than that runs only on an otherwise empty engine), so the engine never has to preempt:
+vLLM reserves only what a sequence holds and preempts when it runs out, kvgate starts a call
+only when the running set can finish without that.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from schemas.vocab import Tier
@@ -53,16 +61,54 @@ class Headroom:
 
 
 @dataclass(frozen=True, slots=True)
+class Load:
+    """A call's KV tokens: what it holds now, and the most it may still add before it ends."""
+
+    held: int
+    remaining: int
+
+
+@dataclass(frozen=True, slots=True)
 class StagedCall:
     key: str
     tier: Tier
     cost: int
+    """Worst case: KV tokens held once the whole budget is generated."""
     arrived_s: float
+    remaining: int = 0
+    """Of ``cost``, the output budget (held only as it is generated)."""
+
+    @property
+    def load(self) -> Load:
+        return Load(self.cost - self.remaining, self.remaining)
 
 
 def call_cost(prompt_tokens: int, max_tokens: int, block_size: int) -> int:
     """Worst-case KV tokens of one call, in whole blocks."""
     return math.ceil((prompt_tokens + max_tokens) / block_size) * block_size
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return math.ceil(max(0, tokens) / block_size) * block_size
+
+
+def call_load(prompt_tokens: int, max_tokens: int, generated: int, block_size: int) -> Load:
+    """What a call holds after ``generated`` output tokens and may still add, each rounded up
+    to whole blocks: at any later point the call holds at most the sum of the two."""
+    return Load(
+        held=_blocks(prompt_tokens + generated, block_size),
+        remaining=_blocks(max_tokens - generated, block_size),
+    )
+
+
+def predicted_peak(loads: Iterable[Load]) -> int:
+    """The most KV tokens ``loads`` hold at one time from now on, if each runs to its whole
+    budget and frees its tokens when it ends (the past-future rule, module doc)."""
+    peak = held = 0
+    for k, load in enumerate(sorted(loads, key=lambda x: x.remaining, reverse=True), 1):
+        held += load.held
+        peak = max(peak, held + k * load.remaining)
+    return peak
 
 
 def headroom(
@@ -107,14 +153,18 @@ def select_starts(
     engine_idle: bool,
     now_s: float,
     policy: HeadroomPolicy,
+    running: Sequence[Load] = (),
 ) -> list[StagedCall]:
-    """Which staged calls to hand to the engine now, in order.
+    """Which staged calls to hand to the engine now, in order. A call takes from ``room`` what
+    it adds to the predicted peak of the ``running`` calls and those chosen before it.
 
     Stops at the first call that does not fit rather than letting smaller, lower-priority
     calls jump it, which would starve large calls for ever.
     """
     chosen: list[StagedCall] = []
     tokens, seqs = room.tokens, room.seqs
+    loads = list(running)
+    peak = predicted_peak(loads)
     for call in start_order(staged, now_s, policy.starvation_s):
         guaranteed = call.tier is Tier.GUARANTEED
         usable_tokens = tokens if guaranteed else tokens - room.reserved_tokens
@@ -124,10 +174,13 @@ def select_starts(
         first_on_idle = engine_idle and not chosen
         if seqs <= 0 or (usable_seqs <= 0 and not first_on_idle):
             break
-        if call.cost > usable_tokens and not first_on_idle:
+        with_call = [*loads, call.load]
+        added = predicted_peak(with_call) - peak
+        if added > usable_tokens and not first_on_idle:
             break
         chosen.append(call)
-        tokens -= call.cost
+        loads, peak = with_call, peak + added
+        tokens -= added
         seqs -= 1
     return chosen
 

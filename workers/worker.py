@@ -60,10 +60,12 @@ from workers.engine import (
 from workers.headroom import (
     Headroom,
     HeadroomPolicy,
+    Load,
     StagedCall,
-    call_cost,
+    call_load,
     fetchable_calls,
     headroom,
+    predicted_peak,
     select_starts,
 )
 from workers.puller import TierPuller
@@ -117,10 +119,17 @@ class _Call:
     trace: CallTrace
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None
+    generated: int = 0
+    """Output tokens the engine produced for it so far (all its choices)."""
 
     @property
     def call_id(self) -> str:
         return self.envelope.call_id
+
+    def load(self, block_size: int) -> Load:
+        return call_load(
+            self.prepared.prompt_tokens, self.prepared.max_tokens, self.generated, block_size
+        )
 
 
 @dataclass
@@ -146,7 +155,6 @@ class Worker:
         self._pullers: dict[Tier, TierPuller] = {}
         self._staged: dict[str, _Call] = {}
         self._running: dict[str, _Call] = {}
-        self._committed_tokens = 0
         self._est_call_tokens = float(options.headroom.default_call_tokens)
         self._held_since: dict[Tier, float] = {}
         self._changed = asyncio.Event()
@@ -231,7 +239,7 @@ class Worker:
     def _room(self) -> Headroom:
         return headroom(
             self._engine_stats(),
-            committed_tokens=self._committed_tokens,
+            committed_tokens=self._committed_tokens(),
             committed_seqs=len(self._running),
             policy=self.options.headroom,
         )
@@ -245,6 +253,7 @@ class Worker:
             engine_idle=not self._running,
             now_s=now,
             policy=self.options.headroom,
+            running=self._loads(),
         )
         room = self._room() if chosen else None
         for staged in chosen:
@@ -252,13 +261,21 @@ class Worker:
             assert room is not None
             call.trace.started(room.tokens, len(self._running) + 1, len(chosen))
             self._running[call.call_id] = call
-            self._committed_tokens += staged.cost
-            self.counters.max_committed_tokens = max(
-                self.counters.max_committed_tokens, self._committed_tokens
-            )
             self.counters.started += 1
             call.task = asyncio.create_task(self._generate(call))
             call.task.add_done_callback(functools.partial(self._finished, call))
+        if chosen:
+            self.counters.max_committed_tokens = max(
+                self.counters.max_committed_tokens, self._committed_tokens()
+            )
+
+    def _loads(self) -> list[Load]:
+        block_size = self.engine.stats().block_size
+        return [call.load(block_size) for call in self._running.values()]
+
+    def _committed_tokens(self) -> int:
+        """The predicted peak of the running calls (``workers/headroom.py``)."""
+        return predicted_peak(self._loads())
 
     async def _open_credit(self, now: float) -> None:
         room = self._room()
@@ -409,11 +426,12 @@ class Worker:
             else:
                 await msg.nak()
             return
-        cost = call_cost(
-            prepared.prompt_tokens, prepared.max_tokens, self.engine.stats().block_size
+        load = call_load(
+            prepared.prompt_tokens, prepared.max_tokens, 0, self.engine.stats().block_size
         )
+        cost = load.held + load.remaining
         self._est_call_tokens += _COST_EWMA * (cost - self._est_call_tokens)
-        staged = StagedCall(call_id, tier, cost, time.monotonic())
+        staged = StagedCall(call_id, tier, cost, time.monotonic(), load.remaining)
         progress = asyncio.create_task(self._keep_in_progress(msg))
         spans.staged(cost, (time.perf_counter() - preparing_since) * 1000)
         self._staged[call_id] = _Call(msg, envelope, prepared, staged, relay, progress, spans)
@@ -437,7 +455,6 @@ class Worker:
 
     def _finished(self, call: _Call, _: object = None) -> None:
         self._running.pop(call.call_id, None)
-        self._committed_tokens -= call.staged.cost
         call.progress.cancel()
         self._changed.set()
 
@@ -459,6 +476,7 @@ class Worker:
             # is aborted then, not when the iterator is garbage-collected.
             async with contextlib.aclosing(self.engine.generate(call.prepared)) as outputs:
                 async for output in outputs:
+                    call.generated += output.new_tokens
                     if first_token and (output.sse or output.body is not None):
                         spans.first_token()
                         first_token = False
@@ -607,7 +625,7 @@ class Worker:
             draining=draining,
             max_model_len=self.engine.max_model_len,
             staged=len(self._staged),
-            committed_tokens=self._committed_tokens,
+            committed_tokens=self._committed_tokens(),
             num_preemptions=stats.num_preemptions,
             generated_tokens=stats.generated_tokens,
             completed=self.counters.completed,
