@@ -191,6 +191,7 @@ def to_envelope(
     tier: Tier,
     timeout_s: float,
     session_id: str | None = None,
+    session_started_ms: int = 0,
 ) -> CallEnvelope:
     """The call as queued: ``body`` unchanged, with kvgate's decisions beside it."""
     now_ms = int(time.time() * 1000)
@@ -213,6 +214,7 @@ def to_envelope(
         deadline_ms=now_ms + int(timeout_s * 1000),
         created_ms=now_ms,
         est_prompt_tokens=estimate_prompt_tokens(call),
+        session_started_ms=session_started_ms,
     )
 
 

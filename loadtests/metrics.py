@@ -82,6 +82,7 @@ def summarize(
     good_tokens = sum(call.completion_tokens for session in good for call in session.calls)
     completed = [call for call in calls if call.status is CallStatus.OK]
     refused_sessions = [session for session in sessions if not session.admitted]
+    admitted_sessions = [session for session in sessions if session.admitted]
     deferred_sessions = [
         s for s in sessions if s.deferrals or any(c.retries for c in s.calls) or not s.admitted
     ]
@@ -109,6 +110,10 @@ def summarize(
         "sessions_good": len(good),
         "session_goodput_per_s": len(good) / window_s if window_s > 0 else None,
         "session_goodput_fraction": _ratio(len(good), len(sessions)),
+        # kvgate's promise: a session it says yes to finishes within its objectives.
+        "admitted_good_fraction": _ratio(
+            sum(objectives.good(s) for s in admitted_sessions), len(admitted_sessions)
+        ),
         "calls_offered": len(calls),
         "calls_completed": len(completed),
         "calls_met": sum(objectives.met(call) for call in calls),

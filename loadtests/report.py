@@ -37,8 +37,9 @@ def table(summary: dict[str, Any]) -> str:
     capacity = summary["capacity_sessions_per_s"]
     lines = [
         "| mode | load (x capacity) | sessions/s offered | session goodput /s | good sessions "
-        "| call goodput | wasted tokens | refused | guaranteed TTFT met | output tok/s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| admitted sessions that finished good | call goodput | wasted tokens | refused "
+        "| guaranteed TTFT met | output tok/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode, by_load in summary["modes"].items():
         for load, agg in by_load.items():
@@ -47,6 +48,7 @@ def table(summary: dict[str, Any]) -> str:
                 f"| {mode} | {load} | {float(load) * capacity:.2f} "
                 f"| {_cell(agg['session_goodput_per_s'])} "
                 f"| {_cell(agg['session_goodput_fraction'], pct=True)} "
+                f"| {_cell(agg.get('admitted_good_fraction'), pct=True)} "
                 f"| {_cell(agg['call_goodput'], pct=True)} "
                 f"| {_cell(agg['wasted_token_share'], pct=True)} "
                 f"| {_cell(agg['refusal_rate'], pct=True)} "

@@ -532,6 +532,7 @@ def aggregate(points: list[PointResult]) -> dict[str, Any]:
     keys = (
         "session_goodput_per_s",
         "session_goodput_fraction",
+        "admitted_good_fraction",
         "call_goodput",
         "wasted_token_share",
         "refusal_rate",

@@ -18,7 +18,8 @@ class Tier(enum.StrEnum):
 
     @property
     def priority(self) -> int:
-        """vLLM request priority: lower is served first."""
+        """The tier's rank, highest tier 0 (lower is served first); the engine priority
+        builds on it (``workers.headroom.engine_priority``)."""
         return _TIER_ORDER.index(self)
 
 

@@ -98,6 +98,9 @@ class CallEnvelope(msgspec.Struct, frozen=True):
     created_ms: int
     est_prompt_tokens: int = 0
     """The front door's estimate of the prompt, which sized the session's reservation."""
+    session_started_ms: int = 0
+    """When admission said yes to the call's session (unix ms); 0 when unknown, read as the
+    call's own ``created_ms``. Orders calls of one tier: an older session's first."""
     version: int = WIRE_VERSION
 
 

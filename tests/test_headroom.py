@@ -14,10 +14,12 @@ from workers.headroom import (
     StagedCall,
     call_cost,
     call_load,
+    engine_priority,
     fetchable_calls,
     headroom,
     predicted_peak,
     select_starts,
+    start_order,
 )
 
 G, S, B = Tier.GUARANTEED, Tier.STANDARD, Tier.BESTEFFORT
@@ -204,3 +206,22 @@ def test_a_call_starts_when_it_adds_little_to_the_running_peak() -> None:
     assert not select_starts(
         [held_at_once], room, engine_idle=False, now_s=1, policy=POLICY, running=running
     )
+
+
+def test_within_a_tier_an_older_sessions_call_starts_first() -> None:
+    new_first = StagedCall("new", S, 64, arrived_s=1, session_started_ms=2_000)
+    old_next = StagedCall("old", S, 64, arrived_s=2, session_started_ms=1_000)
+    guaranteed = StagedCall("g", G, 64, arrived_s=3, session_started_ms=3_000)
+    order = start_order([new_first, old_next, guaranteed], now_s=3, starvation_s=10)
+    assert [c.key for c in order] == ["g", "old", "new"]
+
+
+def test_engine_priority_orders_by_tier_then_by_session_age() -> None:
+    now_ms = 1_780_000_000_000
+    ordered = [
+        engine_priority(G, now_ms),
+        engine_priority(S, now_ms - 3_600_000),
+        engine_priority(S, now_ms),
+        engine_priority(B, 0),
+    ]
+    assert ordered == sorted(ordered) and len(set(ordered)) == 4

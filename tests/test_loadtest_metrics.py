@@ -73,6 +73,7 @@ def test_refused_sessions_and_their_unsent_calls_count_in_the_denominators() -> 
     assert summary["sessions_offered"] == 2
     assert summary["sessions_good"] == 1
     assert summary["session_goodput_fraction"] == 0.5
+    assert summary["admitted_good_fraction"] == 1.0  # the refused one was never admitted
     assert summary["session_goodput_per_s"] == 0.25
     assert summary["calls_offered"] == 5
     assert summary["call_goodput"] == pytest.approx(2 / 5)

@@ -15,6 +15,8 @@ import httpx
 import pytest
 
 from broker.telemetry import tracing_wanted
+from schemas.vocab import Tier
+from schemas.wire import call_subject
 from tests.conftest import Stack
 from tests.otlp import OtlpGrpcReceiver, ReceivedSpan, SpanStore
 from tests.polling import poll_until
@@ -84,7 +86,7 @@ async def test_one_call_is_one_trace_across_the_front_door_and_the_worker(
     assert admission.attributes["kvgate.reason"] == "admitted"
     assert admission.attributes["kvgate.scope"] == "call"
     assert admission.attributes["kvgate.signal.workers_live"] == 1
-    assert publish.attributes["messaging.destination.name"] == "kvgate.calls.standard"
+    assert publish.attributes["messaging.destination.name"] == call_subject(Tier.STANDARD, MODEL)
     assert publish.attributes["kvgate.deadline_ms"] > 0
     call_id = resp.headers["x-kvgate-call"]
     assert queue_wait.attributes["kvgate.call_id"] == call_id

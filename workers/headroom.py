@@ -77,6 +77,8 @@ class StagedCall:
     arrived_s: float
     remaining: int = 0
     """Of ``cost``, the output budget (held only as it is generated)."""
+    session_started_ms: int = 0
+    """When the call's session was admitted: within a tier, older sessions start first."""
 
     @property
     def load(self) -> Load:
@@ -137,13 +139,31 @@ def headroom(
 def start_order(
     staged: Sequence[StagedCall], now_s: float, starvation_s: float
 ) -> list[StagedCall]:
-    """Calls starved past the bound first (oldest first), then by tier, then by arrival."""
+    """Calls starved past the bound first (oldest first), then by tier, then by their
+    session's admission (an old session's next turn before a new session's first), then by
+    arrival."""
 
-    def key(call: StagedCall) -> tuple[int, int, float]:
+    def key(call: StagedCall) -> tuple[int, int, int, float]:
         starved = now_s - call.arrived_s > starvation_s
-        return (0 if starved else 1, call.tier.priority, call.arrived_s)
+        if starved:
+            return (0, 0, 0, call.arrived_s)
+        return (1, call.tier.priority, call.session_started_ms, call.arrived_s)
 
     return sorted(staged, key=key)
+
+
+_SESSION_MS_BITS = 42  # unix milliseconds fit until the year 2109
+
+
+def engine_priority(tier: Tier, session_started_ms: int) -> int:
+    """vLLM's request priority (lower runs first; vLLM breaks ties by arrival): the tier,
+    then the session's admission time, so that inside the engine too an old session's next
+    turn goes before a new session's first, which a session that is half served needs to
+    finish (program-level first come, first served: Autellix, arXiv 2502.13965; Continuum,
+    arXiv 2511.02230)."""
+    return (tier.priority << _SESSION_MS_BITS) + min(
+        max(session_started_ms, 0), (1 << _SESSION_MS_BITS) - 1
+    )
 
 
 def select_starts(

@@ -11,7 +11,8 @@ The one thing kvgate adds is a gate in front of the engine. The serving layer ge
 that forwards everything to ``AsyncLLM`` except ``generate``: there, a kvgate call stops after
 vLLM has rendered and tokenized it (so its prompt, tools included, and its output budget are
 known exactly) and waits until the worker's headroom policy lets it in; the engine priority
-is the tier's, whatever the request said.
+is kvgate's (the tier, then the session's admission time: ``headroom.engine_priority``),
+whatever the request said.
 
 The same code serves the CUDA build (``pip install kvgate[gpu]``) and the CPU build
 (``kvgate[cpu]``): both ship the ``vllm`` module with the same API. Only the engine arguments

@@ -63,6 +63,7 @@ from workers.headroom import (
     Load,
     StagedCall,
     call_load,
+    engine_priority,
     fetchable_calls,
     headroom,
     predicted_peak,
@@ -396,8 +397,13 @@ class Worker:
         if time.time() * 1000 >= envelope.deadline_ms:
             await self._deadline_passed(msg, relay, spans)
             return
+        session_ms = envelope.session_started_ms or envelope.created_ms
         request = EngineRequest(
-            call_id, envelope.endpoint, body, envelope.max_tokens, tier.priority
+            call_id,
+            envelope.endpoint,
+            body,
+            envelope.max_tokens,
+            engine_priority(tier, session_ms),
         )
         self._preparing.add(call_id)
         preparing_since = time.perf_counter()
@@ -431,7 +437,7 @@ class Worker:
         )
         cost = load.held + load.remaining
         self._est_call_tokens += _COST_EWMA * (cost - self._est_call_tokens)
-        staged = StagedCall(call_id, tier, cost, time.monotonic(), load.remaining)
+        staged = StagedCall(call_id, tier, cost, time.monotonic(), load.remaining, session_ms)
         progress = asyncio.create_task(self._keep_in_progress(msg))
         spans.staged(cost, (time.perf_counter() - preparing_since) * 1000)
         self._staged[call_id] = _Call(msg, envelope, prepared, staged, relay, progress, spans)

@@ -117,6 +117,7 @@ async def _serve_call(
             tier=record.tier,
             timeout_s=max(0.001, min(timeout_s, left_s)),
             session_id=record.id,
+            session_started_ms=record.created_ms,
         )
         one_call = False
     else:
@@ -129,7 +130,9 @@ async def _serve_call(
         )
         admitted = await door.admitter.admit(tenant, need, scope="call", idle_timeout_s=timeout_s)
         record = admitted.record
-        call = msgspec.structs.replace(call, session_id=record.id)
+        call = msgspec.structs.replace(
+            call, session_id=record.id, session_started_ms=record.created_ms
+        )
         one_call = True
     events = _admitted_call(door, record, call, one_call)
     headers = {CALL_ID_HEADER: call.call_id, SESSION_ID_HEADER: record.id}
