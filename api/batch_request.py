@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import Request
 
-from api.chat_request import parse_chat_request, parse_json_object
+from api.chat_request import check_known_model, parse_chat_request, parse_json_object
 from broker.errors import InvalidRequest, KvgateError
 from broker.settings import ApiSettings
 from schemas.vocab import ErrorCode, Tier
@@ -207,12 +207,9 @@ def _parse_line(
         return _invalid(number, cid, ErrorCode.INVALID_REQUEST, "body must be a JSON object")
     try:
         chat = parse_chat_request(json.dumps(body).encode(), settings)
+        check_known_model(chat.model, models)
     except KvgateError as exc:
         return _invalid(number, cid, exc.code, exc.message)
-    if chat.model not in models:
-        served = ", ".join(repr(m) for m in sorted(models))
-        message = f"model {chat.model!r} does not exist; this fleet serves {served}"
-        return _invalid(number, cid, ErrorCode.MODEL_NOT_FOUND, message)
     if chat.stream:
         return _invalid(number, cid, ErrorCode.UNSUPPORTED_PARAMETER, "stream is not allowed")
     return ParsedLine(number, cid, session, bool(raw.get("parallel", False)), body)

@@ -14,6 +14,7 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Collection
 from typing import Any, Final, TypeVar
 
 from fastapi import Request
@@ -131,6 +132,17 @@ def _checked(model: type[RequestT], raw: dict[str, Any], settings: ApiSettings) 
                 param="max_tokens",
             )
     return call
+
+
+def check_known_model(model: str, known: Collection[str]) -> None:
+    """``model_not_found`` (404) for a model no worker of this fleet serves."""
+    if model not in known:
+        served = ", ".join(repr(m) for m in sorted(known))
+        raise InvalidRequest(
+            ErrorCode.MODEL_NOT_FOUND,
+            f"model {model!r} does not exist; this fleet serves {served}",
+            param="model",
+        )
 
 
 def _from_validation_error(exc: ValidationError) -> InvalidRequest:

@@ -12,9 +12,10 @@ from sqlalchemy.engine import Engine
 
 from api.admission import Admitter
 from api.batch_runner import BatchRunner
+from api.chat_request import check_known_model
 from api.metrics import FrontDoorMetrics
 from api.replies import ReplyRouter
-from broker.errors import InvalidRequest, Refused
+from broker.errors import Refused
 from broker.fleet import FleetView, FleetWatcher
 from broker.publisher import CallPublisher
 from broker.settings import ApiSettings
@@ -46,17 +47,12 @@ class FrontDoor:
     def check_model(self, model: str) -> None:
         """Raise ``model_not_found`` (404) for a model this fleet does not serve, and defer
         (503 ``no_workers``) a known one while no live worker serves it."""
-        if model not in self.known_models():
-            served = ", ".join(repr(m) for m in sorted(self.known_models()))
-            raise InvalidRequest(
-                ErrorCode.MODEL_NOT_FOUND,
-                f"model {model!r} does not exist; this fleet serves {served}",
-                param="model",
-            )
-        if model not in self.fleet.models(int(time.time() * 1000)):
-            raise Refused(
-                ErrorCode.NO_WORKERS,
-                f"no live worker serves model {model!r}",
-                decision="defer",
-                retry_after=math.ceil(self.admitter.policy.default_retry_after_s),
-            )
+        if model in self.fleet.models(int(time.time() * 1000)):
+            return
+        check_known_model(model, self.known_models())
+        raise Refused(
+            ErrorCode.NO_WORKERS,
+            f"no live worker serves model {model!r}",
+            decision="defer",
+            retry_after=math.ceil(self.admitter.policy.default_retry_after_s),
+        )

@@ -15,7 +15,7 @@ from nats.js.errors import NotFoundError
 
 from broker.tables import text_table
 from schemas.vocab import TIERS_BY_PRIORITY, Tier
-from schemas.wire import CALL_SUBJECT_PREFIX, STREAM_NAME, tier_subjects
+from schemas.wire import CALL_SUBJECT_PREFIX, STREAM_NAME
 
 
 class TierLag(msgspec.Struct, frozen=True):
@@ -49,7 +49,7 @@ async def fleet_lag(js: JetStreamContext, *, now_s: float | None = None) -> list
         queues.setdefault(subject, None)
     rows = []
     for tier in TIERS_BY_PRIORITY:
-        prefix = tier_subjects(tier).removesuffix("*")
+        prefix = f"{CALL_SUBJECT_PREFIX}{tier.value}."
         pending = ack_pending = redelivered = waiting = 0
         oldest_s: float | None = None
         for subject, info in queues.items():

@@ -52,11 +52,6 @@ def call_subject(tier: Tier, model: str) -> str:
     return f"{CALL_SUBJECT_PREFIX}{tier.value}.{model_token(model)}"
 
 
-def tier_subjects(tier: Tier) -> str:
-    """Every model's calls at ``tier`` (a subject filter)."""
-    return f"{CALL_SUBJECT_PREFIX}{tier.value}.*"
-
-
 def consumer_name(tier: Tier, model: str) -> str:
     """The durable pull consumer shared by every worker serving ``model``, for one tier."""
     return f"kvgate-{tier.value}-{model_token(model)}"

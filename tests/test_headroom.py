@@ -12,7 +12,6 @@ from workers.headroom import (
     HeadroomPolicy,
     Load,
     StagedCall,
-    call_cost,
     call_load,
     engine_priority,
     fetchable_calls,
@@ -35,12 +34,6 @@ def stats(usage: float | None = 0.0, capacity: int | None = 2048, seqs: int = 16
         max_num_seqs=seqs,
         block_size=32,
     )
-
-
-def test_call_cost_rounds_up_to_whole_blocks() -> None:
-    assert call_cost(10, 20, 32) == 32
-    assert call_cost(10, 23, 32) == 64
-    assert call_cost(64, 0, 32) == 64
 
 
 def test_headroom_takes_the_larger_of_committed_and_observed() -> None:

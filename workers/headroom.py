@@ -85,11 +85,6 @@ class StagedCall:
         return Load(self.cost - self.remaining, self.remaining)
 
 
-def call_cost(prompt_tokens: int, max_tokens: int, block_size: int) -> int:
-    """Worst-case KV tokens of one call, in whole blocks."""
-    return math.ceil((prompt_tokens + max_tokens) / block_size) * block_size
-
-
 def _blocks(tokens: int, block_size: int) -> int:
     return math.ceil(max(0, tokens) / block_size) * block_size
 
