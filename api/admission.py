@@ -43,7 +43,7 @@ from broker.admission_state import (
 from broker.errors import AdmissionUnavailable, DeadlineExceeded, KvgateError, Refused
 from broker.fleet import FleetView
 from broker.ledger import Ledger, LedgerEntry, utcnow
-from broker.overcommit import OvercommitBounds, OvercommitEstimator, fleet_demand
+from broker.objectives import ObjectiveWindows, WindowBounds
 from broker.settings import ApiSettings
 from broker.telemetry import tracer
 from broker.tenants import Tenancy, Tenant
@@ -103,11 +103,11 @@ class Admitter:
             tiers=tenancy.tiers, kv_overcommit=settings.admission_kv_overcommit
         )
         self.pressure = PressureTracker(self.policy.bands)
-        self.overcommit = OvercommitEstimator(
-            OvercommitBounds(
+        self.windows = ObjectiveWindows(
+            WindowBounds(
                 floor=settings.admission_kv_overcommit,
                 ceiling=max(settings.admission_kv_overcommit, settings.admission_kv_overcommit_max),
-                target_use=settings.admission_target_kv_use,
+                target=settings.admission_objective_target,
             )
         )
         self._rng = random.Random()
@@ -134,9 +134,9 @@ class Admitter:
             self.metrics.pressure.set(int(self.pressure.state))
             if self.fallback is not None:
                 await self.fallback.sweep(now_ms)
+            self._learn_windows(now_ms)
             try:
                 await self.state.sweep(now_ms)
-                await self._learn_overcommit(snapshot, now_ms)
                 if not self._state_reachable:
                     log.info("admission state reachable again")
                 self._state_reachable = True
@@ -146,14 +146,15 @@ class Admitter:
                 self._state_reachable = False
             await asyncio.sleep(interval_s)
 
-    async def _learn_overcommit(self, snapshot: FleetSnapshot, now_ms: int) -> None:
-        self.overcommit.observe(
-            now_ms / 1000,
-            reserved=await self.state.reserved_tokens(),
-            demand=fleet_demand(snapshot, self.max_age_s),
-            pressure=self.pressure.state,
-        )
-        self.metrics.overcommit.set(self.overcommit.value)
+    def _learn_windows(self, now_ms: int) -> None:
+        windows = self.windows.step(now_ms / 1000)
+        for tier, window in windows.items():
+            self.metrics.window.labels(tier.value).set(window)
+        self.metrics.overcommit.set(self.windows.group_factors()[0])
+
+    def judge_call(self, tier: Tier, met: bool) -> None:
+        """An ended call of an admitted session, judged against its objectives."""
+        self.windows.judge(tier, met, time.time())
 
     @property
     def max_age_s(self) -> float:
@@ -300,10 +301,13 @@ class Admitter:
             policy,
             max_age_s=self.max_age_s,
             jitter=jitter,
-            overcommit=self.overcommit.value * share,
+            factors=[f * share for f in self.windows.group_factors()],
         )
         if not decision.admitted:
+            if decision.bound_group is not None:
+                self.windows.bound(decision.bound_group)
             return None, decision
+        granted = decision.granted_parallel
         deadline_ms = now_ms + int(need.deadline_s * 1000)
         idle_ms = int(idle_timeout_s * 1000)
         record = SessionRecord(
@@ -311,11 +315,11 @@ class Admitter:
             tenant=tenant.id,
             tier=need.tier,
             state=SessionState.ACTIVE,
-            max_parallel=need.max_parallel,
+            max_parallel=granted,
             expected_calls=need.expected_calls,
             est_prompt_tokens=need.est_prompt_tokens,
             est_output_tokens=need.est_output_tokens,
-            reserved_tokens=need.reserve_tokens,
+            reserved_tokens=decision.reserve_tokens,
             created_ms=now_ms,
             deadline_ms=deadline_ms,
             idle_timeout_ms=idle_ms,

@@ -222,13 +222,17 @@ class BatchRunner:
         left_s = (batch.expires_at - now).total_seconds()
         # Sized from the calls as they will be published (open lines were validated on submit).
         calls = [self._envelope(batch, line, "") for line in lines if not line.terminal]
+        widest = widest_group(lines)
         need = SessionNeed(
             tier=Tier(batch.tier),
-            max_parallel=widest_group(lines),
+            max_parallel=widest,
             expected_calls=len(lines),
             est_prompt_tokens=max(call.est_prompt_tokens for call in calls),
             est_output_tokens=max(call.max_tokens for call in calls),
             deadline_s=max(1.0, left_s),
+            # The runner publishes a parallel group at once, outside any call slot: a lease
+            # shaped to fewer calls would not be honoured, so it is not shaped.
+            min_parallel=widest,
         )
         try:
             admitted = await self.admitter.admit(

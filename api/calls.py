@@ -21,6 +21,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from api.replies import ReplyEvent
 from api.state import FrontDoor
 from broker.errors import DeadlineExceeded, KvgateError
+from broker.objectives import Objective
 from broker.telemetry import inject_headers, tracer
 from schemas.vocab import ErrorCode
 from schemas.wire import (
@@ -41,16 +42,17 @@ class Restarted:
 
 
 async def follow_call(
-    door: FrontDoor, call: CallEnvelope
+    door: FrontDoor, call: CallEnvelope, objective: Objective | None = None
 ) -> AsyncGenerator[list[ReplyEvent] | Restarted, None]:
     """Publish ``call`` and yield its reply events in arrival batches until the terminal one.
+    A call with an ``objective`` is judged against it when it ends, for admission.
 
     Raises ``KvgateError`` (from publishing, or a timeout); a worker's ``Failed`` event is
     yielded like any other, since what it means depends on what the client already has.
     """
     stream = door.replies.open(call.call_id)
     finished = False
-    observed = _CallObservation(door, call)
+    observed = _CallObservation(door, call, objective)
     # Spans are started and ended by hand, not made current: this generator yields, and a
     # context made current here would leak into (or be reset from) the consumer's context.
     parent = otel_context.get_current()
@@ -73,6 +75,9 @@ async def follow_call(
     stream_span: Span | None = None
     try:
         trace_headers = inject_headers({}, trace.set_span_in_context(publish_span, parent))
+        # Timed from before the publish: a fast worker's first events can arrive before the
+        # stream's acknowledgement does.
+        observed.publishing()
         try:
             seq = await door.publisher.publish(
                 call, stream.inbox, now_ms=int(time.time() * 1000), trace_headers=trace_headers
@@ -83,7 +88,6 @@ async def follow_call(
             raise
         finally:
             publish_span.end()
-        observed.published()
         stream_span = tracer().start_span("stream", context=parent, attributes=attributes)
         observed.span = stream_span
         attempt: int | None = None
@@ -134,26 +138,36 @@ async def follow_call(
 
 
 class _CallObservation:
-    """Feeds one call's timings and outcome to the front door's metrics."""
+    """Feeds one call's timings and outcome to the front door's metrics, and its verdict
+    against its objective to admission.
 
-    def __init__(self, door: FrontDoor, call: CallEnvelope) -> None:
+    The verdict times the first token from the publish, not from the request: a call that
+    waited for one of its own session's slots waited on its session, not on the fleet, and
+    admission must not shrink the fleet's window for it."""
+
+    def __init__(self, door: FrontDoor, call: CallEnvelope, objective: Objective | None) -> None:
         self._metrics = door.metrics
+        self._admitter = door.admitter
+        self._objective = objective
+        self._call_tier = call.tier
         self._tier = call.tier.value
         self._created_s = call.created_ms / 1000
         self._published: float | None = None
         self._first_event = False
+        self._first_event_at: float | None = None
         self._first_token: float | None = None
         self._outcome: str | None = None
         self._tokens = 0
         self.span: Span | None = None
 
-    def published(self) -> None:
+    def publishing(self) -> None:
         self._published = time.monotonic()
 
     def events(self, batch: list[ReplyEvent]) -> None:
         now = time.monotonic()
         if not self._first_event and self._published is not None:
             self._first_event = True
+            self._first_event_at = now
             self._metrics.first_event.labels(self._tier).observe(now - self._published)
         tokens = 0
         for event in batch:
@@ -179,13 +193,30 @@ class _CallObservation:
                     self.span.add_event("first_token")
 
     def _done(self, event: Done, now: float) -> None:
+        per_token: float | None = None
         if self._first_token is not None and event.usage.completion_tokens > 1:
             per_token = (now - self._first_token) / (event.usage.completion_tokens - 1)
             self._metrics.tpot.labels(self._tier).observe(per_token)
+        if self._outcome is None and self._objective is not None:
+            # Not streamed, the answer comes whole; the worker's start event stands in for
+            # the first token (it comes when the engine takes the call, before prefill).
+            first = self._first_token or self._first_event_at
+            ttft = None if first is None or self._published is None else first - self._published
+            if per_token is None and first is not None and event.usage.completion_tokens > 1:
+                per_token = (now - first) / (event.usage.completion_tokens - 1)
+            self._judge(self._objective.met(ttft, per_token))
         self.ended("ok")
+
+    def _judge(self, met: bool) -> None:
+        self._admitter.judge_call(self._call_tier, met)
+        self._metrics.objective_met.labels(self._tier, "yes" if met else "no").inc()
 
     def ended(self, outcome: str) -> None:
         if self._outcome is None:
+            # A call the fleet was too slow to start missed; one its caller left, or that
+            # failed on its own request, says nothing about the fleet's load.
+            if outcome == ErrorCode.DEADLINE_EXCEEDED.value and self._objective is not None:
+                self._judge(False)
             self._outcome = outcome
             self._metrics.calls.labels(self._tier, outcome).inc()
             if self.span is not None:

@@ -150,7 +150,22 @@ class FrontDoorMetrics:
         )
         self.overcommit = Gauge(
             "kvgate_admission_overcommit",
-            "Measured KV over-commit factor: reservations may add up to this times capacity",
+            "Learned KV over-commit factor of the whole fleet: reservations may add up to this "
+            "times capacity",
+            registry=self.registry,
+        )
+        self.window = Gauge(
+            "kvgate_admission_window",
+            "Each tier's learned over-commit window (grows while its admitted calls meet their "
+            "objectives, shrinks when they do not)",
+            ["tier"],
+            registry=self.registry,
+        )
+        self.objective_met = Counter(
+            "kvgate_calls_judged",
+            "Ended calls of admitted sessions judged against their objectives, by tier and "
+            "whether they met them",
+            ["tier", "met"],
             registry=self.registry,
         )
         self.lag: list[TierLag] = []

@@ -2,17 +2,24 @@
 the jitter are arguments, so a decision takes microseconds and a test needs no server.
 
 What a session reserves is its peak KV footprint, ``max_parallel * (est_prompt + est_output)``
-tokens, against the fleet's live KV capacity (times ``kv_overcommit``, the operator's choice of
-how much queueing in JetStream to accept). Checks, in order:
+tokens, against the fleet's live KV capacity times an over-commit factor per nested tier group
+(the operator's static ``kv_overcommit`` as the floor; above it, what ``broker.objectives``
+learned that admitted work can carry while meeting its objectives). Checks, in order:
 
 1. the tenant's quotas (concurrent sessions, parallel calls, tokens per minute) → 429;
 2. live workers: none fresh → ``no_workers``; all draining → ``draining`` (defer);
-3. a session bigger than its tier may ever hold → ``exceeds_capacity`` (reject);
+3. a session bigger than its tier may ever hold, even with only ``min_parallel`` calls in
+   flight → ``exceeds_capacity`` (reject);
 4. the session cannot finish by its deadline even if it started now at the fastest decode
    speed per sequence the fleet currently shows → ``deadline_infeasible`` (reject);
 5. fleet pressure (hysteresis, below) shuts out lower tiers first → ``fleet_saturated``;
 6. the nested tier shares (see ``broker.tenants``) → ``tier_capacity``; then the fleet total →
    ``fleet_saturated`` (defer).
+
+Shaping before refusing (as Sluice lowers ``max_tokens`` before it rejects): a session that does
+not fit as declared in 3 or 6 is admitted with fewer calls in flight, as many as fit, if that is
+at least its ``min_parallel`` and enough to finish by its deadline; its other calls wait inside
+the session for one of its own slots.
 
 The state store re-checks 1 and 6 atomically when it reserves (``broker.admission_state``), so
 replicas racing on the same snapshot cannot over-admit; this function is the fast, explainable
@@ -23,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from broker.tenants import Tenant, TierPolicy
@@ -79,6 +86,8 @@ class SessionNeed:
     est_prompt_tokens: int
     est_output_tokens: int
     deadline_s: float
+    min_parallel: int = 1
+    """The fewest calls in flight the session accepts being admitted with."""
 
     @property
     def call_tokens(self) -> int:
@@ -129,6 +138,11 @@ class AdmissionDecision:
     tier_limits: tuple[int, ...]
     """Token ceiling of each nested tier group, highest tier first (what the store enforces)."""
     signals: Mapping[str, float | int | str | None]
+    granted_parallel: int = 0
+    """Calls the session may have in flight: ``max_parallel``, or fewer where it was shaped
+    to fit (0 unless admitted)."""
+    bound_group: int | None = None
+    """The nested tier group whose room deferred the session (0 the whole fleet)."""
 
     @property
     def admitted(self) -> bool:
@@ -191,15 +205,31 @@ class PressureTracker:
         return self.state
 
 
-def tier_limits(policy: AdmissionPolicy, capacity_tokens: int) -> tuple[int, ...]:
-    """The token ceiling of each nested group (a tier and all tiers below it)."""
-    return tuple(int(policy.tiers[t].share * capacity_tokens) for t in TIERS_BY_PRIORITY)
+def tier_limits(
+    policy: AdmissionPolicy, physical_tokens: int, factors: Sequence[float] | None = None
+) -> tuple[int, ...]:
+    """The token ceiling of each nested group (a tier and all tiers below it), highest tier
+    first: the group's share of the physical KV capacity times the group's over-commit factor
+    (``policy.kv_overcommit`` for every group when ``factors`` is ``None``)."""
+    return tuple(
+        int(
+            policy.tiers[t].share
+            * physical_tokens
+            * (policy.kv_overcommit if factors is None else factors[i])
+        )
+        for i, t in enumerate(TIERS_BY_PRIORITY)
+    )
 
 
 def group_reserved(reserved_by_tier: Mapping[Tier, int]) -> tuple[int, ...]:
     """Tokens held by each nested group, highest tier first."""
     held = [reserved_by_tier.get(t, 0) for t in TIERS_BY_PRIORITY]
     return tuple(sum(held[i:]) for i in range(len(held)))
+
+
+def most_parallel(call_tokens: int, room: Sequence[int]) -> int:
+    """The most calls of ``call_tokens`` that fit in every one of ``room``."""
+    return max(0, min(r // call_tokens for r in room)) if call_tokens > 0 else 0
 
 
 def decide(
@@ -212,26 +242,31 @@ def decide(
     *,
     max_age_s: float,
     jitter: float,
-    overcommit: float | None = None,
+    factors: Sequence[float] | None = None,
 ) -> AdmissionDecision:
     """``jitter`` in [0, 1) spreads retries: ``Retry-After`` estimates are scaled by 0.8 to 1.2.
-    ``overcommit``, the measured factor (``broker.overcommit``), replaces the policy's static
-    one for what may be reserved now; whether a session could *ever* fit is judged by the
-    static one, so that a rejection does not depend on the moment it was asked."""
+    ``factors``, one per nested tier group (``broker.objectives`` learns them from the
+    objectives admitted calls met), replace the policy's static over-commit for what may be
+    reserved now, and never go below it; whether a session could *ever* fit is judged by the
+    static one, so that a rejection does not depend on the moment it was asked.
+
+    A session that does not fit with ``max_parallel`` calls in flight is granted fewer, down to
+    ``min_parallel`` and to the fewest with which it can still finish by its deadline
+    (``AdmissionDecision.granted_parallel``); only below that is it deferred or rejected."""
     live = [w for w in fleet.workers if w.age_s <= max_age_s]
     serving = [w for w in live if not w.draining]
     physical = sum(w.kv_capacity_tokens or 0 for w in serving)
-    factor = policy.kv_overcommit if overcommit is None else max(overcommit, policy.kv_overcommit)
-    capacity = int(physical * factor)
-    limits = tier_limits(policy, capacity)
-    ceilings = tier_limits(policy, int(physical * policy.kv_overcommit))
+    if factors is not None:
+        factors = [max(f, policy.kv_overcommit) for f in factors]
+    limits = tier_limits(policy, physical, factors)
+    ceilings = tier_limits(policy, physical)
     groups = group_reserved(holdings.reserved_by_tier)
     reserved = groups[0]
     signals: dict[str, float | int | str | None] = {
         "workers_live": len(live),
         "workers_stale": len(fleet.workers) - len(live),
-        "capacity_tokens": capacity,
-        "overcommit": round(factor, 3),
+        "capacity_tokens": limits[0],
+        "overcommit": round(policy.kv_overcommit if factors is None else factors[0], 3),
         "reserved_tokens": reserved,
         "need_tokens": need.reserve_tokens,
         "pressure": pressure.name.lower(),
@@ -241,10 +276,24 @@ def decide(
     }
 
     def answer(
-        decision: Decision, reason: Reason, wait_s: float | None = None
+        decision: Decision,
+        reason: Reason,
+        wait_s: float | None = None,
+        *,
+        granted: int = 0,
+        bound_group: int | None = None,
     ) -> AdmissionDecision:
         retry = None if wait_s is None else _retry_after(wait_s, jitter)
-        return AdmissionDecision(decision, reason, retry, need.reserve_tokens, limits, signals)
+        return AdmissionDecision(
+            decision,
+            reason,
+            retry,
+            granted * need.call_tokens if granted else need.reserve_tokens,
+            limits,
+            signals,
+            granted_parallel=granted,
+            bound_group=bound_group,
+        )
 
     def wait_for(shortfall: int) -> float:
         return _wait_s(shortfall, holdings.released_tokens_per_s, policy.default_retry_after_s)
@@ -252,10 +301,11 @@ def decide(
     # 1. The tenant's own quotas: retrying helps only once the tenant's own work ends.
     if holdings.tenant_sessions + 1 > tenant.max_sessions:
         return answer(Decision.REJECT, Reason.TENANT_QUOTA, policy.default_retry_after_s)
-    if holdings.tenant_parallel + need.max_parallel > tenant.max_parallel_calls:
+    if holdings.tenant_parallel + need.min_parallel > tenant.max_parallel_calls:
         return answer(Decision.REJECT, Reason.TENANT_QUOTA, policy.default_retry_after_s)
     if holdings.tenant_tokens_this_minute + need.total_tokens > tenant.tokens_per_minute:
         return answer(Decision.REJECT, Reason.TENANT_QUOTA, holdings.seconds_to_next_minute)
+    quota_parallel = tenant.max_parallel_calls - holdings.tenant_parallel
 
     # 2. Live capacity. Stale readings were dropped above: unknown is never idle.
     if not live:
@@ -263,20 +313,26 @@ def decide(
     if not serving:
         return answer(Decision.DEFER, Reason.DRAINING, policy.default_retry_after_s)
 
-    # 3. Bigger than the tier could ever hold on this fleet.
+    # 3. Bigger than the tier could ever hold on this fleet, even shaped to its minimum.
     index = TIERS_BY_PRIORITY.index(need.tier)
-    if need.reserve_tokens > ceilings[index]:
+    ever = most_parallel(need.call_tokens, ceilings[: index + 1])
+    if ever < need.min_parallel:
         return answer(Decision.REJECT, Reason.EXCEEDS_CAPACITY, MAX_RETRY_AFTER_S)
+    widest = min(need.max_parallel, ever, quota_parallel)
 
-    # 4. Too slow to finish by its deadline even if it started now, at the fastest speed per
-    # sequence the fleet shows. With no speed observed yet, nothing is rejected on a guess.
+    # 4. Too slow to finish by its deadline even if it started now with as many calls in
+    # flight as it may ever have, at the fastest speed per sequence the fleet shows. With no
+    # speed observed yet, nothing is rejected on a guess.
+    fewest = need.min_parallel
     observed = [w.seq_tokens_per_s for w in serving if w.seq_tokens_per_s]
     if observed:
-        rounds = math.ceil(need.expected_calls / need.max_parallel)
-        fastest_s = rounds * need.est_output_tokens / max(observed)
+        call_s = need.est_output_tokens / max(observed)
+        fastest_s = math.ceil(need.expected_calls / widest) * call_s
         signals["fastest_finish_s"] = round(fastest_s, 3)
         if fastest_s > need.deadline_s:
             return answer(Decision.REJECT, Reason.DEADLINE_INFEASIBLE)
+        rounds = max(1, int(need.deadline_s // call_s)) if call_s > 0 else need.expected_calls
+        fewest = max(fewest, math.ceil(need.expected_calls / rounds))
 
     # 5. Pressure from the live signals closes lower tiers first.
     if (pressure is Pressure.SATURATED and need.tier is not Tier.GUARANTEED) or (
@@ -284,21 +340,23 @@ def decide(
     ):
         return answer(Decision.DEFER, Reason.FLEET_SATURATED, policy.default_retry_after_s)
 
-    # 6. Room in every nested group the session's tier belongs to.
-    for i in range(index, 0, -1):
-        if groups[i] + need.reserve_tokens > limits[i]:
+    # 6. Room in every nested group the session's tier belongs to, for as many calls as fit.
+    room = [limits[i] - groups[i] for i in range(index + 1)]
+    granted = min(widest, most_parallel(need.call_tokens, room))
+    if granted >= fewest:
+        if granted < need.max_parallel:
+            signals["granted_parallel"] = granted
+        return answer(Decision.ADMIT, Reason.ADMITTED, granted=granted)
+    want = fewest * need.call_tokens
+    for i in range(index, -1, -1):
+        if groups[i] + want > limits[i]:
             return answer(
                 Decision.DEFER,
-                Reason.TIER_CAPACITY,
-                wait_for(groups[i] + need.reserve_tokens - limits[i]),
+                Reason.TIER_CAPACITY if i else Reason.FLEET_SATURATED,
+                wait_for(groups[i] + want - limits[i]),
+                bound_group=i,
             )
-    if reserved + need.reserve_tokens > limits[0]:
-        return answer(
-            Decision.DEFER,
-            Reason.FLEET_SATURATED,
-            wait_for(reserved + need.reserve_tokens - limits[0]),
-        )
-    return answer(Decision.ADMIT, Reason.ADMITTED)
+    raise AssertionError("a session that fits at its fewest calls was not admitted")
 
 
 def _retry_after(wait_s: float, jitter: float) -> int:

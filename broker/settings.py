@@ -69,12 +69,14 @@ class ApiSettings(BaseSettings):
     replica_id: str | None = None
     # Reservations may add up to this many times the fleet's KV capacity: above 1, admitted
     # sessions accept waiting in JetStream for their turn at the cache. It is the floor of the
-    # measured factor (broker/overcommit.py), which may rise to `admission_kv_overcommit_max`
-    # while sessions use less than they reserve; set both equal to turn learning off.
+    # learned factor per tier group (broker/objectives.py), which rises towards
+    # `admission_kv_overcommit_max` while admitted calls meet their tiers' objectives and falls
+    # when they do not; set both equal to turn learning off.
     admission_kv_overcommit: float = Field(default=1.0, gt=0, le=100)
     admission_kv_overcommit_max: float = Field(default=4.0, gt=0, le=100)
-    # The share of the KV cache that admitted sessions' measured demand is planned to fill.
-    admission_target_kv_use: float = Field(default=0.8, gt=0, le=1)
+    # The share of admitted calls that must meet their objectives (TTFT and TPOT) for a tier's
+    # window to grow; below it the window shrinks.
+    admission_objective_target: float = Field(default=0.99, gt=0, le=1)
     # Redis down: these tiers are admitted against a local budget of `degraded_share` of the
     # fleet (set it to 1/replicas so replicas together cannot over-admit); others are refused.
     degraded_tiers: list[Tier] = Field(default_factory=lambda: [Tier.GUARANTEED])

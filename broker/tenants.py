@@ -15,11 +15,17 @@
     max_sessions = 50
     max_parallel_calls = 200
     tokens_per_minute = 2000000
+    [tenants.objectives.standard]   # optional: this tenant's own objectives for a tier
+    ttft_ms = 500
 
 A tier's ``share`` bounds the KV tokens that sessions of that tier *and every lower tier* may
 hold together, as a fraction of fleet capacity. The shares nest (guaranteed 1.0 ≥ standard 0.8 ≥
 besteffort 0.5 by default), so the top 20% of the fleet is only ever reserved by guaranteed
 sessions and best-effort work can never crowd standard work out of more than half of it.
+
+A tier's objectives (``ttft_ms``, ``tpot_ms``) are what admission aims at: every ended call of an
+admitted session is judged against them, or against its tenant's own where the tenant sets them,
+and each tier's admission window follows the share that met them (``broker.objectives``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from broker.objectives import Objective
 from schemas.vocab import TIERS_BY_PRIORITY, Tier
 
 log = logging.getLogger(__name__)
@@ -57,6 +64,15 @@ DEFAULT_TIERS: Mapping[Tier, TierPolicy] = {
 }
 
 
+class ObjectiveOverride(BaseModel):
+    """A tenant's own objectives for one tier; what it leaves out is the tier's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_ms: float | None = Field(default=None, gt=0)
+    tpot_ms: float | None = Field(default=None, gt=0)
+
+
 class Tenant(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -66,6 +82,7 @@ class Tenant(BaseModel):
     max_sessions: int = Field(default=100, ge=1)
     max_parallel_calls: int = Field(default=256, ge=1)
     tokens_per_minute: int = Field(default=10_000_000, ge=1)
+    objectives: dict[Tier, ObjectiveOverride] = Field(default_factory=dict)
 
     def allows(self, tier: Tier) -> bool:
         return tier.priority >= self.max_tier.priority
@@ -150,6 +167,14 @@ class Tenancy:
             return cls(parsed.tenants, tiers)
         except (OSError, tomllib.TOMLDecodeError, ValidationError, ValueError) as exc:
             raise ValueError(f"tenants file {path}: {exc}") from exc
+
+    def objective(self, tenant: Tenant, tier: Tier) -> Objective:
+        """What a call of ``tenant`` in ``tier`` is judged against."""
+        policy = self.tiers[tier]
+        own = tenant.objectives.get(tier)
+        ttft_ms = own.ttft_ms if own is not None and own.ttft_ms is not None else policy.ttft_ms
+        tpot_ms = own.tpot_ms if own is not None and own.tpot_ms is not None else policy.tpot_ms
+        return Objective(ttft_s=ttft_ms / 1000, tpot_s=tpot_ms / 1000)
 
     def by_id(self, tenant_id: str) -> Tenant | None:
         if self.open_tenant is not None:

@@ -2,13 +2,16 @@
 
 Definitions (the report repeats them):
 
-- A call **met its objectives** when it completed, its TTFT was within the TTFT objective and
-  its TPOT within the TPOT objective (a one-token answer has no TPOT and meets it).
+- A call **met its objectives** when it completed, its TTFT was within its tier's TTFT
+  objective and its TPOT within its tier's TPOT objective (a one-token answer has no TPOT and
+  meets it). The objectives are the ones kvgate is configured with (``Objectives``); kvgate's
+  own judgement of a call (``broker.objectives.Objective.met``) decides it.
 - A session is **good** when every one of its calls met its objectives and it ended before its
   deadline. A session refused by admission, or given up, is not good: refused work counts in
   every denominator as offered and not served.
-- **Session goodput**: good sessions per second of arrival window, and as a fraction of the
-  sessions offered.
+- **Session goodput**: good sessions per second of the arrival window, and as a fraction of the
+  sessions offered. The offered rate is over the same window (the sessions that arrived in it,
+  not the nominal rate), so goodput per second never exceeds it.
 - **Call goodput**: calls that met their objectives / all calls of all offered sessions (the
   calls a refused or abandoned session never sent included).
 - **Wasted tokens**: output tokens generated for sessions that were not good, as a share of all
@@ -20,24 +23,45 @@ Definitions (the report repeats them):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from broker.objectives import Objective
+from broker.tenants import Tenancy
 from loadtests.agent import CallOutcome, CallStatus, SessionOutcome
+from schemas.vocab import Tier
 
 PERCENTILES = (50, 95, 99)
 
 
 @dataclass(frozen=True)
 class Objectives:
-    ttft_s: float
-    tpot_s: float
+    """Each tier's objective, as kvgate is configured with it."""
+
+    by_tier: Mapping[str, Objective]
+
+    @classmethod
+    def same(cls, ttft_s: float, tpot_s: float) -> Objectives:
+        return cls({t.value: Objective(ttft_s, tpot_s) for t in Tier})
+
+    @classmethod
+    def of(cls, tenancy: Tenancy) -> Objectives:
+        """The tiers' objectives of a tenants file, as kvgate's front door reads them."""
+        return cls(
+            {
+                t.value: Objective(p.ttft_ms / 1000, p.tpot_ms / 1000)
+                for t, p in tenancy.tiers.items()
+            }
+        )
+
+    def to_json(self) -> dict[str, dict[str, float]]:
+        return {t: {"ttft_s": o.ttft_s, "tpot_s": o.tpot_s} for t, o in self.by_tier.items()}
 
     def met(self, call: CallOutcome) -> bool:
-        if call.status is not CallStatus.OK or call.ttft_s is None:
+        if call.status is not CallStatus.OK:
             return False
-        return call.ttft_s <= self.ttft_s and (call.tpot_s is None or call.tpot_s <= self.tpot_s)
+        return self.by_tier[call.tier].met(call.ttft_s, call.tpot_s)
 
     def good(self, session: SessionOutcome) -> bool:
         return session.completed and all(self.met(call) for call in session.calls)
@@ -99,7 +123,11 @@ def summarize(
             "calls": len(tier_calls),
             "calls_met": sum(objectives.met(c) for c in tier_calls),
             "ttft_met_share_of_completed": _ratio(
-                sum(1 for c in tier_done if c.ttft_s is not None and c.ttft_s <= objectives.ttft_s),
+                sum(
+                    1
+                    for c in tier_done
+                    if c.ttft_s is not None and c.ttft_s <= objectives.by_tier[tier].ttft_s
+                ),
                 len(tier_done),
             ),
             "ttft_s": latency_summary([c.ttft_s for c in tier_done if c.ttft_s is not None]),
@@ -107,6 +135,7 @@ def summarize(
         }
     return {
         "sessions_offered": len(sessions),
+        "offered_per_s": len(sessions) / window_s if window_s > 0 else None,
         "sessions_good": len(good),
         "session_goodput_per_s": len(good) / window_s if window_s > 0 else None,
         "session_goodput_fraction": _ratio(len(good), len(sessions)),

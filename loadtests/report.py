@@ -36,7 +36,8 @@ def table(summary: dict[str, Any]) -> str:
     """Markdown: one row per mode and load, medians over repeats with (min-max)."""
     capacity = summary["capacity_sessions_per_s"]
     lines = [
-        "| mode | load (x capacity) | sessions/s offered | session goodput /s | good sessions "
+        "| mode | load (x capacity) | sessions/s offered (nominal) | session goodput /s "
+        "| good sessions "
         "| admitted sessions that finished good | call goodput | wasted tokens | refused "
         "| guaranteed TTFT met | output tok/s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -44,8 +45,9 @@ def table(summary: dict[str, Any]) -> str:
     for mode, by_load in summary["modes"].items():
         for load, agg in by_load.items():
             guaranteed = agg.get("ttft_met_share_by_tier", {}).get("guaranteed", {})
+            offered = agg.get("offered_per_s")
             lines.append(
-                f"| {mode} | {load} | {float(load) * capacity:.2f} "
+                f"| {mode} | {load} | {_cell(offered)} ({float(load) * capacity:.2f}) "
                 f"| {_cell(agg['session_goodput_per_s'])} "
                 f"| {_cell(agg['session_goodput_fraction'], pct=True)} "
                 f"| {_cell(agg.get('admitted_good_fraction'), pct=True)} "
@@ -100,9 +102,16 @@ def _markdown(
         f"- **Objectives** are relative to the unloaded latency measured in this run on direct "
         f"vLLM (median of {unloaded.get('calls', '?')} sequential calls of "
         f"{unloaded.get('prompt_tokens', '?')} prompt / {unloaded.get('output_tokens', '?')} "
-        f"output tokens): TTFT {obj['ttft_s'] * 1000:.1f} ms "
-        f"({manifest['objective_rule']['ttft']}), TPOT {obj['tpot_s'] * 1000:.2f} ms "
-        f"({manifest['objective_rule']['tpot']}). The same objectives hold for every tier.",
+        f"output tokens): TTFT {manifest['objective_rule']['ttft']}, TPOT "
+        f"{manifest['objective_rule']['tpot']}; "
+        + ", ".join(
+            f"{tier} {o['ttft_s'] * 1000:.1f} ms / {o['tpot_s'] * 1000:.2f} ms"
+            for tier, o in obj.items()
+        )
+        + ". kvgate is configured with the same objectives (the run's `tenants.toml`, which "
+        "its admission aims at), and every mode is judged by them.",
+        "- **Rates** are over the arrival window: the offered rate counts the sessions that "
+        "arrived in it (the nominal rate in brackets), so goodput per second cannot exceed it.",
         "- **Refused work counts**: a session refused by admission, or given up at its deadline, "
         "is offered and not good; its calls, sent or not, are in the call-goodput denominator.",
         f"- **Repeats**: {manifest['repeats']} per point (seeds {manifest['seeds']['sweep']}, the "
@@ -219,7 +228,7 @@ def _plots(run: Path, summary: dict[str, Any], points: Sequence[PointResult]) ->
     modes = list(summary["modes"])
     fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 3.8), sharey=True)
     axes = axes if len(modes) > 1 else [axes]
-    objective = summary["objectives"]["ttft_s"]
+    objective = min(o["ttft_s"] for o in summary["objectives"].values())
     for ax, mode in zip(axes, modes, strict=True):
         for tier in TIERS:
             for q, style in (("p50", "--"), ("p99", "-")):
@@ -236,7 +245,7 @@ def _plots(run: Path, summary: dict[str, Any], points: Sequence[PointResult]) ->
                         ys.append(present[len(present) // 2])
                 if xs:
                     ax.plot(xs, ys, style, marker=".", label=f"{tier} {q}")
-        ax.axhline(objective, color="grey", lw=1, ls=":", label="TTFT objective")
+        ax.axhline(objective, color="grey", lw=1, ls=":", label="TTFT objective (tightest)")
         ax.set_yscale("log")
         ax.set_xscale("log", base=2)
         ax.set_xticks(loads, [f"{x:g}x" for x in loads])

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import aiohttp
 from tqdm import tqdm
 
+from broker.tenants import Tenancy, hash_key
 from loadtests import report
 from loadtests.agent import Agent, Mode, SessionOutcome, Target
 from loadtests.capacity import CapacitySearch
@@ -56,6 +57,22 @@ from schemas.vocab import Tier
 
 LOADS = (0.5, 1.0, 2.0, 4.0)
 SAMPLE_INTERVAL_S = 0.25
+TENANTS_FILE = "tenants.toml"
+BENCH_KEY = "kvgate-bench-key"
+
+
+def tenants_toml(*, ttft_ms: float, tpot_ms: float) -> str:
+    """kvgate's configuration for a run: every tier's objectives (the same for every tier, so
+    that modes and tiers are judged alike), and one tenant for the harness's agents, allowed
+    every tier, with quotas that never bind: what refuses work here is the fleet."""
+    tiers = "".join(
+        f"[tiers.{t.value}]\nttft_ms = {ttft_ms}\ntpot_ms = {tpot_ms}\n\n" for t in Tier
+    )
+    return (
+        f'{tiers}[[tenants]]\nid = "bench"\nkey_sha256 = "{hash_key(BENCH_KEY)}"\n'
+        'max_tier = "guaranteed"\nmax_sessions = 1000000\nmax_parallel_calls = 1000000\n'
+        "tokens_per_minute = 1000000000000\n"
+    )
 
 
 @dataclass
@@ -98,6 +115,17 @@ def cpu_profile() -> Profile:
     )
 
 
+def tools_profile() -> Profile:
+    """The CPU profile with agents that wait seconds for their tools between turns (2-6 s
+    instead of 0.1-0.4 s): sessions live several times longer while their calls are as many
+    and as large, so what idle sessions hold (reservations, call slots) matters. Capacity is
+    searched again, since each session occupies the fleet for longer."""
+    profile = cpu_profile()
+    profile.workload = dataclasses.replace(profile.workload, think_s=(2.0, 6.0))
+    profile.window_s = 20.0
+    return profile
+
+
 def tiny_profile() -> Profile:
     """A few sessions per mode: checks that the whole pipeline runs (used by the tests)."""
     profile = cpu_profile()
@@ -110,7 +138,11 @@ def tiny_profile() -> Profile:
     return profile
 
 
-PROFILES: dict[str, Callable[[], Profile]] = {"cpu": cpu_profile, "tiny": tiny_profile}
+PROFILES: dict[str, Callable[[], Profile]] = {
+    "cpu": cpu_profile,
+    "tools": tools_profile,
+    "tiny": tiny_profile,
+}
 
 
 class Served(Protocol):
@@ -161,8 +193,9 @@ class Sweep:
         started = time.time()
         planned = len(self.profile.loads) * self.profile.repeats * len(self.profile.modes)
         with tqdm(total=planned, desc="starting", unit="point", file=sys.stderr) as self.bar:
-            if Mode.DIRECT in self.profile.modes or self.capacity is None:
-                await self._direct_phase()
+            # Always: the objectives come from direct vLLM's unloaded latency, and kvgate must
+            # be configured with them before it starts.
+            await self._direct_phase()
             kvgate_modes: list[Mode] = [m for m in self.profile.modes if m is not Mode.DIRECT]
             if kvgate_modes:
                 await self._kvgate_phase(kvgate_modes)
@@ -194,9 +227,7 @@ class Sweep:
             self.engine,
             self.run_dir,
             heartbeat_s=self.profile.heartbeat_s,
-            # The harness's agents may use every tier; the development tenant's quotas are
-            # open, so what refuses work here is the fleet, not a tenant quota.
-            extra_env={"KVGATE_DEV_TENANT_TIER": "guaranteed"},
+            extra_env={"KVGATE_TENANTS_FILE": str(self.run_dir / TENANTS_FILE)},
         )
         try:
             await stack.start()
@@ -205,8 +236,6 @@ class Sweep:
                 self.unloaded[Mode.KVGATE_CALL.value] = await self._probe(
                     stack, Mode.KVGATE_CALL, http
                 )
-                if self.objectives is None:
-                    self._set_objectives(Mode.KVGATE_CALL)
                 for mode in modes:
                     await self._sweep(stack, mode, http)
             await stack.close()
@@ -214,19 +243,25 @@ class Sweep:
             stack.stop()
             self.decisions = stack.decisions()
 
-    def _set_objectives(self, source: Mode = Mode.DIRECT) -> None:
-        base = self.unloaded[source.value]
-        self.objectives = Objectives(
-            ttft_s=round(base["ttft_s"]["p50"] * self.profile.ttft_factor, 4),
-            tpot_s=round(base["tpot_s"]["p50"] * self.profile.tpot_factor, 5),
+    def _set_objectives(self) -> None:
+        """Write kvgate's tenants file with the tiers' objectives from the unloaded latency,
+        and judge every mode by what kvgate reads from it: one place for both."""
+        base = self.unloaded[Mode.DIRECT.value]
+        path = self.run_dir / TENANTS_FILE
+        path.write_text(
+            tenants_toml(
+                ttft_ms=round(base["ttft_s"]["p50"] * self.profile.ttft_factor * 1000, 1),
+                tpot_ms=round(base["tpot_s"]["p50"] * self.profile.tpot_factor * 1000, 2),
+            )
         )
+        self.objectives = Objectives.of(Tenancy.from_file(path))
 
     async def _probe(
         self, served: Served, mode: Mode, http: aiohttp.ClientSession
     ) -> dict[str, Any]:
         """Sequential calls of the workload's median size, standard tier, one at a time."""
         spec = self.profile.workload
-        agent = Agent(Target(mode, served.base_url), http, self.words)
+        agent = Agent(Target(mode, served.base_url, api_key=BENCH_KEY), http, self.words)
         outcomes = []
         for i in range(self.profile.probe_calls + 1):
             call = CallSpec(f"probe-{mode}-{i}", 0.0, spec.prompt.median, spec.output.median)
@@ -299,7 +334,7 @@ class Sweep:
             dump_jsonl(trace, self.run_dir / "traces" / name)
         await self._settle(served, http)
         before = await served.generated_tokens(http)
-        agent = Agent(Target(mode, served.base_url), http, self.words)
+        agent = Agent(Target(mode, served.base_url, api_key=BENCH_KEY), http, self.words)
         samples: list[Sample] = []
         sampler = asyncio.create_task(self._sample(served, http, agent, samples))
         lags: list[float] = []
@@ -381,7 +416,7 @@ class Sweep:
             "capacity_probes": [
                 {"rate": r, "good_share": s} for r, s in (self.search.probes if self.search else [])
             ],
-            "objectives": dataclasses.asdict(self.objectives),
+            "objectives": self.objectives.to_json(),
             "unloaded": self.unloaded,
             "overhead": overhead(self.unloaded),
             "modes": by_mode,
@@ -450,7 +485,8 @@ class Sweep:
             "model": model_facts(self.model),
             "engine": self.engine.to_json(),
             "workload": profile.workload.to_json(),
-            "objectives": None if self.objectives is None else dataclasses.asdict(self.objectives),
+            "objectives": None if self.objectives is None else self.objectives.to_json(),
+            "tenants_file": "tenants.toml",
             "objective_rule": {
                 "ttft": f"{profile.ttft_factor:g} x unloaded direct TTFT p50",
                 "tpot": f"{profile.tpot_factor:g} x unloaded direct TPOT p50",
@@ -540,6 +576,7 @@ def aggregate(points: list[PointResult]) -> dict[str, Any]:
         "retries_sent",
         "output_tokens_per_s",
         "sessions_offered",
+        "offered_per_s",
     )
     out: dict[str, Any] = {key: spread(p.summary[key] for p in points) for key in keys}
     tiers = sorted({t for p in points for t in p.summary["by_tier"]})

@@ -18,6 +18,10 @@ class SessionCreate(BaseModel):
 
     tier: Tier
     max_parallel: int = Field(default=1, ge=1)
+    min_parallel: int | None = Field(default=None, ge=1)
+    """The fewest calls in flight the session accepts; where ``max_parallel`` does not fit, it
+    is admitted with fewer, down to this (defaults to 1). ``lease.max_parallel`` in the answer
+    is what was granted."""
     expected_calls: int | None = Field(default=None, ge=1)
     """Defaults to ``max_parallel``."""
     est_prompt_tokens: int | None = Field(default=None, ge=1)
@@ -40,6 +44,8 @@ class SessionLease(BaseModel):
 class SessionAdmission(BaseModel):
     decision: Decision
     reason: Reason
+    requested_parallel: int | None = None
+    """The ``max_parallel`` asked for; ``lease.max_parallel`` is what was granted."""
 
 
 class SessionOut(BaseModel):

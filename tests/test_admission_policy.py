@@ -86,7 +86,11 @@ def holdings(
     )
 
 
-def need(tier: Tier = Tier.STANDARD, parallel: int = 4, **kw: float) -> SessionNeed:
+def need(
+    tier: Tier = Tier.STANDARD, parallel: int = 4, *, least: int | None = None, **kw: float
+) -> SessionNeed:
+    """``least`` is ``min_parallel``: by default the session takes all of ``parallel`` or
+    nothing, so that each test sees one rule at a time; the shaping tests lower it."""
     values = {
         "expected_calls": 8,
         "est_prompt_tokens": 200,
@@ -101,6 +105,7 @@ def need(tier: Tier = Tier.STANDARD, parallel: int = 4, **kw: float) -> SessionN
         est_prompt_tokens=int(values["est_prompt_tokens"]),
         est_output_tokens=int(values["est_output_tokens"]),
         deadline_s=values["deadline_s"],
+        min_parallel=parallel if least is None else least,
     )
 
 
@@ -111,7 +116,7 @@ def run(
     pressure: Pressure = Pressure.NORMAL,
     jitter: float = 0.5,
     policy: AdmissionPolicy = POLICY,
-    overcommit: float | None = None,
+    factors: tuple[float, float, float] | None = None,
 ) -> tuple[Decision, Reason, int | None]:
     d = decide(
         n or need(),
@@ -122,7 +127,7 @@ def run(
         policy,
         max_age_s=MAX_AGE_S,
         jitter=jitter,
-        overcommit=overcommit,
+        factors=factors,
     )
     return d.decision, d.reason, d.retry_after_s
 
@@ -179,20 +184,89 @@ def test_a_session_larger_than_its_tier_could_ever_hold_is_rejected() -> None:
     assert run(need(Tier.GUARANTEED, parallel=21))[:2] == (Decision.ADMIT, Reason.ADMITTED)
 
 
-def test_a_measured_overcommit_lets_reservations_exceed_the_cache_but_not_what_never_fits() -> None:
+def test_learned_factors_let_reservations_exceed_the_cache_but_not_what_never_fits() -> None:
     # 10,000 tokens, standard may hold 80%: 7,500 reserved + 1,000 more does not fit at 1x...
     full = holdings(standard=7_500)
     assert run(need(parallel=4), h=full)[:2] == (Decision.DEFER, Reason.TIER_CAPACITY)
-    # ...but does where sessions are measured to use half of what they reserve.
-    assert run(need(parallel=4), h=full, overcommit=2.0)[:2] == (Decision.ADMIT, Reason.ADMITTED)
-    # Whether a session could ever fit does not depend on the measurement: best-effort may
-    # hold 5,000 tokens of this fleet, and 5,250 never fits, however the factor moves.
+    # ...but does where the standard group's window learned that twice as much meets the
+    # objectives.
+    assert run(need(parallel=4), h=full, factors=(2.0, 2.0, 2.0))[:2] == (
+        Decision.ADMIT,
+        Reason.ADMITTED,
+    )
+    # Each group has its own factor: a narrow best-effort window does not hold standard back,
+    # a narrow standard window does.
+    assert run(need(parallel=4), h=full, factors=(2.0, 2.0, 1.0))[1] is Reason.ADMITTED
+    assert run(need(parallel=4), h=full, factors=(2.0, 1.0, 1.0))[1] is Reason.TIER_CAPACITY
+    # Whether a session could ever fit does not depend on what was learned: best-effort may
+    # hold 5,000 tokens of this fleet, and 5,250 never fits, however the factors move.
     big = need(Tier.BESTEFFORT, parallel=21)
-    assert run(big, overcommit=4.0)[:2] == (Decision.REJECT, Reason.EXCEEDS_CAPACITY)
-    # A measured factor below the operator's floor is not used.
-    assert run(need(parallel=4), h=full, overcommit=0.5, policy=replace(POLICY, kv_overcommit=2))[
-        :2
-    ] == (Decision.ADMIT, Reason.ADMITTED)
+    assert run(big, factors=(4.0, 4.0, 4.0))[:2] == (Decision.REJECT, Reason.EXCEEDS_CAPACITY)
+    # A learned factor below the operator's floor is not used.
+    floor2 = replace(POLICY, kv_overcommit=2)
+    assert run(need(parallel=4), h=full, factors=(0.5, 0.5, 0.5), policy=floor2)[:2] == (
+        Decision.ADMIT,
+        Reason.ADMITTED,
+    )
+
+
+def test_a_session_that_does_not_fit_as_declared_is_shaped_to_what_fits() -> None:
+    # Standard holds 7,500 of its 8,000: two calls of 250 fit, not four.
+    full = holdings(standard=7_500)
+    d = decide(
+        need(parallel=4, least=1), TENANT, fleet(), full, Pressure.NORMAL, POLICY,
+        max_age_s=MAX_AGE_S, jitter=0.0,
+    )  # fmt: skip
+    assert (d.decision, d.reason, d.granted_parallel) == (Decision.ADMIT, Reason.ADMITTED, 2)
+    assert d.reserve_tokens == 2 * 250 and d.signals["granted_parallel"] == 2
+    # Not below what the session accepts: three at least do not fit, so it waits.
+    assert run(need(parallel=4, least=3), h=full)[:2] == (Decision.DEFER, Reason.TIER_CAPACITY)
+    # A session larger than its tier could ever hold is shaped too, not rejected: best-effort
+    # may hold 5,000 tokens, 20 calls of 250.
+    d = decide(
+        need(Tier.BESTEFFORT, parallel=30, least=1), TENANT, fleet(), holdings(),
+        Pressure.NORMAL, POLICY, max_age_s=MAX_AGE_S, jitter=0.0,
+    )  # fmt: skip
+    assert (d.decision, d.granted_parallel) == (Decision.ADMIT, 20)
+    assert run(need(Tier.BESTEFFORT, parallel=30, least=21))[1] is Reason.EXCEEDS_CAPACITY
+    # Unshaped, the whole declared width is granted.
+    d = decide(
+        need(parallel=4, least=1), TENANT, fleet(), holdings(), Pressure.NORMAL, POLICY,
+        max_age_s=MAX_AGE_S, jitter=0.0,
+    )  # fmt: skip
+    assert d.granted_parallel == 4 and "granted_parallel" not in d.signals
+
+
+def test_shaping_never_goes_below_what_the_deadline_needs() -> None:
+    # 10 tokens/s per sequence, 50-token calls: 5 s each. 8 calls in 12 s need 2 rounds, so
+    # at least 4 in flight. With room for 2 only (500 tokens), the session waits rather than
+    # being admitted to miss its deadline; with room for 4 it is admitted with 4.
+    f = fleet(worker(seq_tokens_per_s=10.0, running=2))
+    tight = need(parallel=8, least=1, deadline_s=12)
+    assert run(tight, f, h=holdings(standard=7_500))[:2] == (
+        Decision.DEFER,
+        Reason.TIER_CAPACITY,
+    )
+    d = decide(
+        tight, TENANT, f, holdings(standard=7_000), Pressure.NORMAL, POLICY,
+        max_age_s=MAX_AGE_S, jitter=0.0,
+    )  # fmt: skip
+    assert (d.decision, d.granted_parallel) == (Decision.ADMIT, 4)
+    # Shaped to what it could ever hold (20 calls), 100 calls of 5 s need 25 s: infeasible in 20.
+    huge = need(Tier.BESTEFFORT, parallel=100, least=1, expected_calls=100, deadline_s=20)
+    assert run(huge, f)[:2] == (Decision.REJECT, Reason.DEADLINE_INFEASIBLE)
+
+
+def test_a_deferral_names_the_group_whose_room_bound_it() -> None:
+    def bound(n: SessionNeed, h: Holdings) -> int | None:
+        return decide(
+            n, TENANT, fleet(), h, Pressure.NORMAL, POLICY, max_age_s=MAX_AGE_S, jitter=0.0
+        ).bound_group
+
+    assert bound(need(Tier.BESTEFFORT), holdings(besteffort=4_500)) == 2
+    assert bound(need(Tier.STANDARD), holdings(standard=7_500)) == 1
+    assert bound(need(Tier.GUARANTEED), holdings(guaranteed=9_500)) == 0
+    assert bound(need(Tier.GUARANTEED), holdings()) is None
 
 
 def test_a_deadline_the_session_cannot_meet_is_rejected_without_retry_after() -> None:

@@ -23,7 +23,7 @@ from tests.simworker import sim_worker
 from workers.sim_engine import SimEngine, SimEngineConfig
 
 MODEL = "kvgate-sim"
-ACME, SMALL, CHEAP = "acme-key", "small-key", "cheap-key"
+ACME, SMALL, CHEAP, STRICT = "acme-key", "small-key", "cheap-key", "strict-key"
 KV_TOKENS = 4096
 
 
@@ -50,6 +50,13 @@ max_sessions = 1
 id = "cheap"
 key_sha256 = "{hash_key(CHEAP)}"
 max_tier = "besteffort"
+
+# Asks for a first token within 10 microseconds: every one of its calls misses.
+[[tenants]]
+id = "strict"
+key_sha256 = "{hash_key(STRICT)}"
+[tenants.objectives.standard]
+ttft_ms = 0.01
 """
 
 
@@ -159,7 +166,11 @@ async def test_session_lifecycle_create_get_call_close(door: Door) -> None:
         sid = session["id"]
         assert session["tier"] == "standard" and session["state"] == "active"
         assert session["lease"]["reserved_tokens"] == 2 * 150
-        assert session["admission"] == {"decision": "admit", "reason": "admitted"}
+        assert session["admission"] == {
+            "decision": "admit",
+            "reason": "admitted",
+            "requested_parallel": 2,
+        }
         assert session["metadata"] == {"agent": "a1"}
         assert session["lease"]["expires_at"] <= session["lease"]["deadline_at"]
 
@@ -289,7 +300,9 @@ async def test_a_session_the_fleet_cannot_hold_now_is_deferred_with_an_honest_re
         admitted = [
             await client.post("/v1/sessions", json=session_body(max_parallel=8)) for _ in range(2)
         ]
-        deferred = await client.post("/v1/sessions", json=session_body(max_parallel=8))
+        deferred = await client.post(
+            "/v1/sessions", json=session_body(max_parallel=8, min_parallel=8)
+        )
         guaranteed = await client.post(
             "/v1/sessions", json=session_body(max_parallel=4, tier="guaranteed")
         )
@@ -305,29 +318,80 @@ async def test_a_session_the_fleet_cannot_hold_now_is_deferred_with_an_honest_re
     assert after_release.status_code == 201
 
 
-async def test_reservations_nobody_uses_let_admission_over_commit_the_cache(door: Door) -> None:
-    # Two sessions hold most of the standard share (2 x 1,200 of 3,276 tokens) and never call:
-    # the measured demand stays zero. A third is deferred at first (fresh reservations
-    # are not slack); once 10 s of evidence show the reservations unused, the measured factor
-    # rises and the same request is admitted.
+async def window(client: httpx.AsyncClient, tier: str = "standard") -> float:
+    text = (await client.get("/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = families["kvgate_admission_window"].samples
+    return next(float(s.value) for s in samples if s.labels["tier"] == tier)
+
+
+async def test_admission_window_grows_while_turned_away_and_shrinks_on_missed_objectives(
+    door: Door,
+) -> None:
+    # Two sessions hold most of the standard share (2 x 1,200 of 3,276 tokens). A third that
+    # will not be shaped is deferred at first: the window starts at the static over-commit
+    # (1). While sessions keep being turned away and no admitted call misses its objective,
+    # the window grows, and the same request is admitted.
+    wide = session_body(max_parallel=8, min_parallel=8)
     async with door.client() as client:
-        held = [
-            await client.post("/v1/sessions", json=session_body(max_parallel=8)) for _ in range(2)
-        ]
-        first = await client.post("/v1/sessions", json=session_body(max_parallel=8))
+        held = [await client.post("/v1/sessions", json=wide) for _ in range(2)]
+        first = await client.post("/v1/sessions", json=wide)
 
-        async def factor() -> float:
-            text = (await client.get("/metrics")).text
-            families = {f.name: f for f in text_string_to_metric_families(text)}
-            return float(families["kvgate_admission_overcommit"].samples[0].value)
+        async def ask() -> httpx.Response:
+            return await client.post("/v1/sessions", json=wide)
 
-        learned = await poll_until(factor, lambda v: v >= 1.3, timeout_s=40, interval_s=0.5)
-        later = await client.post("/v1/sessions", json=session_body(max_parallel=8))
+        later = await poll_until(ask, lambda r: r.status_code == 201, timeout_s=40)
+        grown = await window(client)
+        for resp in [*held, later]:
+            await client.delete(f"/v1/sessions/{resp.json()['id']}")
     assert [r.status_code for r in held] == [201, 201]
-    assert first.status_code == 503
-    assert first.json()["error"]["code"] == "tier_capacity"
-    assert later.status_code == 201, later.text
-    assert learned <= 4.0  # KVGATE_ADMISSION_KV_OVERCOMMIT_MAX
+    assert (first.status_code, first.json()["error"]["code"]) == (503, "tier_capacity")
+    assert 1.0 < grown <= 4.0  # KVGATE_ADMISSION_KV_OVERCOMMIT_MAX
+    # A tenant whose own standard objective no call can meet: twenty calls that all miss
+    # (min_calls) cut the standard window, and best-effort's below it, by 0.7.
+    async with door.client(STRICT) as strict:
+        sid = (await strict.post("/v1/sessions", json=session_body(max_parallel=4))).json()["id"]
+        before = await window(strict)
+        calls = await asyncio.gather(
+            *(
+                strict.post("/v1/chat/completions", json=chat(4), headers={"X-Kvgate-Session": sid})
+                for _ in range(20)
+            )
+        )
+        cut = await poll_until(
+            lambda: window(strict), lambda v: v < before, timeout_s=20, interval_s=0.2
+        )
+        text = (await strict.get("/metrics")).text
+    assert [c.status_code for c in calls] == [200] * 20
+    assert cut == pytest.approx(max(1.0, before * 0.7), rel=0.05)
+    judged = {
+        (s.labels["tier"], s.labels["met"]): s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "kvgate_calls_judged"
+        for s in f.samples
+        if s.name == "kvgate_calls_judged_total"
+    }
+    assert judged[("standard", "no")] >= 20
+
+
+async def test_a_session_that_does_not_fit_is_admitted_with_fewer_calls_in_flight(
+    door: Door,
+) -> None:
+    # Standard may hold 3,276 tokens of 4,096: 21 calls of 150, not 30. Admitted with 21,
+    # unless it asks for at least 22.
+    async with door.client() as client:
+        shaped = await client.post("/v1/sessions", json=session_body(max_parallel=30))
+        refused = await client.post(
+            "/v1/sessions", json=session_body(max_parallel=30, min_parallel=22)
+        )
+        bad = await client.post("/v1/sessions", json=session_body(max_parallel=3, min_parallel=4))
+    assert shaped.status_code == 201, shaped.text
+    body = shaped.json()
+    assert body["lease"]["max_parallel"] == 21
+    assert body["lease"]["reserved_tokens"] == 21 * 150
+    assert body["admission"]["requested_parallel"] == 30
+    assert (refused.status_code, refused.json()["error"]["code"]) == (503, "exceeds_capacity")
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "min_parallel")
 
 
 async def test_a_call_with_no_session_is_a_one_call_session(door: Door) -> None:
@@ -419,7 +483,7 @@ async def test_with_redis_down_guaranteed_degrades_to_a_local_budget_and_others_
         )
         # The local budget is half the fleet (KVGATE_DEGRADED_SHARE 0.5): 1,024 tokens.
         too_much = await client.post(
-            "/v1/sessions", json=session_body(tier="guaranteed", max_parallel=4)
+            "/v1/sessions", json=session_body(tier="guaranteed", max_parallel=4, min_parallel=4)
         )
         standard = await client.post("/v1/sessions", json=session_body())
         got = await client.get(f"/v1/sessions/{guaranteed.json()['id']}")

@@ -27,10 +27,12 @@ def admission_api(stack: Stack) -> Iterator[str]:
 
 
 def agent_session() -> dict[str, Any]:
-    # 10 x (30 + 64) = 940 tokens: one fits the standard tier's 80% of 2,048, two do not.
+    # 10 x (30 + 64) = 940 tokens: one fits the standard tier's 80% of 2,048, two do not (all
+    # or nothing: not shaped to fewer calls in flight).
     return {
         "tier": "standard",
         "max_parallel": 10,
+        "min_parallel": 10,
         "expected_calls": 10,
         "est_prompt_tokens": 30,
         "est_output_tokens": 64,

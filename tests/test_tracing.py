@@ -112,6 +112,7 @@ async def test_a_refused_session_span_carries_the_decision_and_reason_and_logs_t
             json={
                 "tier": "standard",
                 "max_parallel": 256,
+                "min_parallel": 256,
                 "est_prompt_tokens": 4000,
                 "est_output_tokens": 4000,
             },

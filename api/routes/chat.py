@@ -41,6 +41,7 @@ from api.routes.sessions import check_tier
 from api.state import FrontDoor
 from broker.admission_state import SessionRecord
 from broker.errors import InvalidRequest, KvgateError
+from broker.objectives import Objective
 from broker.tenants import Tenant
 from schemas.openai import ChatCompletionRequest, CompletionRequest, MessagesRequest
 from schemas.vocab import Endpoint, ErrorCode
@@ -134,7 +135,8 @@ async def _serve_call(
             call, session_id=record.id, session_started_ms=record.created_ms
         )
         one_call = True
-    events = _admitted_call(door, record, call, one_call)
+    objective = door.admitter.tenancy.objective(tenant, call.tier)
+    events = _admitted_call(door, record, call, one_call, objective)
     headers = {CALL_ID_HEADER: call.call_id, SESSION_ID_HEADER: record.id}
     if not call.stream:
         async with contextlib.aclosing(events):
@@ -162,13 +164,17 @@ async def _serve_call(
 
 
 async def _admitted_call(
-    door: FrontDoor, record: SessionRecord, call: CallEnvelope, one_call: bool
+    door: FrontDoor,
+    record: SessionRecord,
+    call: CallEnvelope,
+    one_call: bool,
+    objective: Objective,
 ) -> AsyncGenerator[list[ReplyEvent] | Restarted, None]:
     """The call's events, run inside one of its session's call slots; a one-call session
     ends with its call."""
     try:
         async with door.admitter.call_slot(record, call.call_id, call.deadline_ms):
-            events = follow_call(door, call)
+            events = follow_call(door, call, objective)
             async with contextlib.aclosing(events):
                 async for item in events:
                     yield item

@@ -50,7 +50,10 @@ async def create_session(request: Request, door: FrontDoorDep, tenant: TenantDep
         idempotency_key=key,
     )
     reason = Reason.ADMITTED_DEGRADED if admitted.degraded else Reason.ADMITTED
-    out = session_out(admitted.record, SessionAdmission(decision=Decision.ADMIT, reason=reason))
+    admission = SessionAdmission(
+        decision=Decision.ADMIT, reason=reason, requested_parallel=body.max_parallel
+    )
+    out = session_out(admitted.record, admission)
     return JSONResponse(out.model_dump(mode="json"), status_code=200 if admitted.existing else 201)
 
 
@@ -89,6 +92,13 @@ def session_need(body: SessionCreate, tenant: Tenant, admitter: Admitter) -> Ses
             f"max_parallel must be at most {settings.session_max_parallel}",
             param="max_parallel",
         )
+    if body.min_parallel is not None and body.min_parallel > body.max_parallel:
+        raise InvalidRequest(
+            ErrorCode.INVALID_PARAMETER,
+            f"min_parallel ({body.min_parallel}) must not exceed max_parallel "
+            f"({body.max_parallel})",
+            param="min_parallel",
+        )
     deadline_s = body.deadline_s or admitter.tenancy.tiers[body.tier].default_deadline_s
     if deadline_s > settings.max_deadline_s:
         raise InvalidRequest(
@@ -110,6 +120,7 @@ def session_need(body: SessionCreate, tenant: Tenant, admitter: Admitter) -> Ses
         est_prompt_tokens=body.est_prompt_tokens or settings.session_default_prompt_tokens,
         est_output_tokens=output,
         deadline_s=deadline_s,
+        min_parallel=body.min_parallel or 1,
     )
 
 

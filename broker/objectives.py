@@ -1,0 +1,135 @@
+"""Admission aimed at the tiers' objectives: a window per tier that scales how much work may be
+admitted, grown while admitted calls meet their objectives and cut when they do not.
+
+Reservations (``broker.admission``) bound what admitted sessions may hold by their declared
+peaks. Whether that much work meets its TTFT and TPOT objectives depends on the workload, the
+engine and the hardware, which admission cannot know in advance; the over-commit a fleet can
+carry is therefore learned from the outcome, as CONCUR (arXiv 2601.22705) does for agent
+sessions. Every call of an admitted session that ends is judged against its objectives (its
+tier's, or its tenant's where the tenants file overrides them), and per tier a window, a
+factor on the fleet's KV capacity, moves by additive increase and multiplicative decrease:
+
+- a tier whose recent calls met their objectives less often than ``target`` has a violation:
+  its window and the window of every tier below it are multiplied by ``decrease`` (the work of
+  lower tiers is what slows a higher tier's calls, and lower tiers give way first). The calls
+  judged so far are then forgotten for those tiers, so the next judgement sees only work that
+  ran under the smaller window (TCP likewise waits a round trip after a loss);
+- when a tier group's factor bound an admission since the last step (a session was deferred
+  because the group was full), the windows that make that factor (the group's tiers and every
+  tier above them) grow by ``increase_per_s``, unless they were just cut: capacity nobody asks
+  for is not grown into, so a quiet fleet keeps what it learned;
+- with fewer than ``min_calls`` judged, a tier is never in violation.
+
+Invariants a change must keep: every window stays within ``[floor, ceiling]``; the factor of a
+nested tier group (a tier and all tiers below it, as ``broker.tenants`` shares nest) is the
+smallest window among the tiers it holds and the tiers above them, so a higher tier's
+violation always narrows every group below it. Pure: the clock is an argument.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from schemas.vocab import TIERS_BY_PRIORITY, Tier
+
+
+@dataclass(frozen=True, slots=True)
+class Objective:
+    """What a call of a tier promises: the time to its first token and the mean time per
+    output token after it (seconds)."""
+
+    ttft_s: float
+    tpot_s: float
+
+    def met(self, ttft_s: float | None, tpot_s: float | None) -> bool:
+        """``ttft_s`` is ``None`` for a call that produced no token (it failed): a miss.
+        ``tpot_s`` is ``None`` for a one-token answer, which has no time per output token."""
+        if ttft_s is None or ttft_s > self.ttft_s:
+            return False
+        return tpot_s is None or tpot_s <= self.tpot_s
+
+
+@dataclass(frozen=True, slots=True)
+class WindowBounds:
+    floor: float = 1.0
+    """The operator's static over-commit (``KVGATE_ADMISSION_KV_OVERCOMMIT``)."""
+    ceiling: float = 4.0
+    target: float = 0.99
+    """The share of judged calls that must meet their objectives."""
+    window_s: float = 20.0
+    """Calls judged longer ago than this no longer count."""
+    min_calls: int = 20
+    decrease: float = 0.7
+    increase_per_s: float = 0.2
+    start: float | None = None
+    """The windows' first value; the floor when unset (nothing learned yet)."""
+
+
+class ObjectiveWindows:
+    def __init__(self, bounds: WindowBounds | None = None) -> None:
+        self.bounds = b = bounds or WindowBounds()
+        if not 0 < b.floor <= b.ceiling:
+            raise ValueError("window bounds need 0 < floor <= ceiling")
+        start = max(b.floor, min(b.ceiling, b.floor if b.start is None else b.start))
+        self.windows: dict[Tier, float] = {t: start for t in TIERS_BY_PRIORITY}
+        self._judged: dict[Tier, deque[tuple[float, bool]]] = {
+            t: deque() for t in TIERS_BY_PRIORITY
+        }
+        self._bound_group: int | None = None
+        self._last_s: float | None = None
+
+    def judge(self, tier: Tier, met: bool, now_s: float) -> None:
+        """One ended call of an admitted session, met or missed."""
+        self._judged[tier].append((now_s, met))
+
+    def bound(self, group: int) -> None:
+        """A session was deferred because nested tier group ``group`` (0 the whole fleet, as
+        ``broker.admission.tier_limits`` counts them) was full."""
+        if self._bound_group is None or group > self._bound_group:
+            self._bound_group = group
+
+    def attainment(self, tier: Tier, now_s: float) -> tuple[float | None, int]:
+        """The share of the tier's calls in the window that met their objectives (``None``
+        with none), and how many were judged."""
+        judged = self._judged[tier]
+        while judged and judged[0][0] < now_s - self.bounds.window_s:
+            judged.popleft()
+        if not judged:
+            return None, 0
+        return sum(met for _, met in judged) / len(judged), len(judged)
+
+    def violated(self, tier: Tier, now_s: float) -> bool:
+        share, n = self.attainment(tier, now_s)
+        return share is not None and n >= self.bounds.min_calls and share < self.bounds.target
+
+    def step(self, now_s: float) -> dict[Tier, float]:
+        """One control step; returns the windows."""
+        b = self.bounds
+        elapsed = 0.0 if self._last_s is None else max(0.0, now_s - self._last_s)
+        self._last_s = now_s
+        cut_from: int | None = None
+        for i, tier in enumerate(TIERS_BY_PRIORITY):
+            if self.violated(tier, now_s):
+                cut_from = i
+                break
+        for i, tier in enumerate(TIERS_BY_PRIORITY):
+            if cut_from is not None and i >= cut_from:
+                self.windows[tier] = max(b.floor, self.windows[tier] * b.decrease)
+                self._judged[tier].clear()
+            elif self._bound_group is not None and i <= self._bound_group:
+                grown = self.windows[tier] + b.increase_per_s * elapsed
+                self.windows[tier] = min(b.ceiling, grown)
+        self._bound_group = None
+        return dict(self.windows)
+
+    def group_factors(self) -> tuple[float, ...]:
+        """The factor on KV capacity of each nested tier group, highest tier first: the
+        smallest window among the group's own tier and every tier above it."""
+        out: list[float] = []
+        smallest = math.inf
+        for tier in TIERS_BY_PRIORITY:
+            smallest = min(smallest, self.windows[tier])
+            out.append(smallest)
+        return tuple(out)

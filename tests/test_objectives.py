@@ -1,0 +1,102 @@
+"""The objective windows: admission's over-commit per tier, grown while admitted calls meet their
+objectives and cut when they miss. Pure: each step is a function call with the clock given."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.objectives import Objective, ObjectiveWindows, WindowBounds
+from broker.tenants import DEFAULT_TIERS, ObjectiveOverride, Tenancy, Tenant
+from schemas.vocab import Tier
+
+G, S, B = Tier.GUARANTEED, Tier.STANDARD, Tier.BESTEFFORT
+BOUNDS = WindowBounds(floor=1.0, ceiling=4.0, target=0.9, window_s=10.0, min_calls=10)
+
+
+def judge(w: ObjectiveWindows, tier: Tier, met: int, missed: int, at_s: float) -> None:
+    for _ in range(met):
+        w.judge(tier, True, at_s)
+    for _ in range(missed):
+        w.judge(tier, False, at_s)
+
+
+def test_an_objective_is_met_by_a_fast_first_token_and_fast_tokens_after_it() -> None:
+    o = Objective(ttft_s=1.0, tpot_s=0.1)
+    assert o.met(0.5, 0.05) and o.met(1.0, 0.1)
+    assert o.met(0.5, None)  # a one-token answer has no time per output token
+    assert not o.met(1.01, 0.05) and not o.met(0.5, 0.11)
+    assert not o.met(None, None)  # no token at all
+
+
+def test_windows_start_at_the_floor_and_grow_only_where_admissions_were_bound() -> None:
+    w = ObjectiveWindows(BOUNDS)
+    w.step(0.0)
+    assert w.windows == {G: 1.0, S: 1.0, B: 1.0}
+    judge(w, S, met=20, missed=0, at_s=1.0)
+    w.step(5.0)  # met, but nobody was turned away: nothing to grow into
+    assert w.windows == {G: 1.0, S: 1.0, B: 1.0}
+    w.bound(1)  # a session was deferred because the standard group was full
+    w.step(7.5)  # 2.5 s at 0.2/s
+    assert w.windows[G] == pytest.approx(1.5) and w.windows[S] == pytest.approx(1.5)
+    assert w.windows[B] == 1.0  # the best-effort group did not bind
+    for t in range(8, 40):
+        w.bound(2)
+        w.step(float(t))
+    assert w.windows == {G: 4.0, S: 4.0, B: 4.0}  # never above the ceiling
+
+
+def test_a_miss_rate_above_the_target_cuts_the_tier_and_every_tier_below_it() -> None:
+    w = ObjectiveWindows(WindowBounds(floor=1.0, ceiling=4.0, target=0.9, start=4.0))
+    judge(w, S, met=17, missed=3, at_s=1.0)  # 85% met, target 90%
+    judge(w, G, met=20, missed=0, at_s=1.0)
+    w.step(2.0)
+    assert w.windows == {G: 4.0, S: pytest.approx(2.8), B: pytest.approx(2.8)}
+    # The judged calls are forgotten: the next cut waits for calls run under the new window.
+    w.step(3.0)
+    assert w.windows[S] == pytest.approx(2.8)
+    judge(w, S, met=18, missed=2, at_s=3.5)
+    w.step(4.0)
+    assert w.windows[S] == pytest.approx(2.8)  # 90% met: on target
+    judge(w, G, met=5, missed=15, at_s=4.5)
+    w.step(5.0)
+    assert w.windows == {G: pytest.approx(2.8), S: pytest.approx(1.96), B: pytest.approx(1.96)}
+    for t in range(6, 20):
+        judge(w, G, met=0, missed=20, at_s=float(t))
+        w.step(float(t) + 0.5)
+    assert w.windows == {G: 1.0, S: 1.0, B: 1.0}  # never below the floor
+
+
+def test_too_few_calls_are_no_evidence_and_old_calls_leave_the_window() -> None:
+    w = ObjectiveWindows(WindowBounds(floor=1.0, ceiling=4.0, target=0.9, start=2.0))
+    judge(w, B, met=0, missed=19, at_s=0.0)  # min_calls is 20
+    w.step(1.0)
+    assert w.windows[B] == 2.0 and not w.violated(B, 1.0)
+    assert w.attainment(B, 1.0) == (0.0, 19)
+    assert w.attainment(B, 30.0) == (None, 0)  # older than the 20 s window
+    judge(w, B, met=0, missed=1, at_s=30.0)
+    w.step(30.5)
+    assert w.windows[B] == 2.0
+
+
+def test_group_factors_are_the_smallest_window_at_or_above_each_group() -> None:
+    w = ObjectiveWindows(WindowBounds(floor=1.0, ceiling=4.0, start=3.0))
+    w.windows.update({G: 2.0, S: 3.0, B: 1.5})
+    assert w.group_factors() == (2.0, 2.0, 1.5)
+    w.windows.update({G: 4.0, S: 1.0, B: 3.0})
+    assert w.group_factors() == (4.0, 1.0, 1.0)
+
+
+def test_a_tenant_may_set_its_own_objectives_for_a_tier() -> None:
+    strict = Tenant(
+        id="strict",
+        key_sha256="b" * 64,
+        objectives={Tier.STANDARD: ObjectiveOverride(ttft_ms=250)},
+    )
+    plain = Tenant(id="plain", key_sha256="c" * 64)
+    tenancy = Tenancy([strict, plain])
+    standard = DEFAULT_TIERS[Tier.STANDARD]
+    assert tenancy.objective(strict, S) == Objective(0.25, standard.tpot_ms / 1000)
+    assert tenancy.objective(plain, S) == Objective(
+        standard.ttft_ms / 1000, standard.tpot_ms / 1000
+    )
+    assert tenancy.objective(strict, B) == tenancy.objective(plain, B)
