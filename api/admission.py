@@ -303,9 +303,9 @@ class Admitter:
             jitter=jitter,
             factors=[f * share for f in self.windows.group_factors()],
         )
+        if decision.bound_group is not None:
+            self.windows.bound(decision.bound_group)
         if not decision.admitted:
-            if decision.bound_group is not None:
-                self.windows.bound(decision.bound_group)
             return None, decision
         granted = decision.granted_parallel
         deadline_ms = now_ms + int(need.deadline_s * 1000)

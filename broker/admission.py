@@ -142,7 +142,8 @@ class AdmissionDecision:
     """Calls the session may have in flight: ``max_parallel``, or fewer where it was shaped
     to fit (0 unless admitted)."""
     bound_group: int | None = None
-    """The nested tier group whose room deferred the session (0 the whole fleet)."""
+    """The nested tier group whose room deferred the session, or shaped it to fewer calls
+    than it could otherwise have (0 the whole fleet)."""
 
     @property
     def admitted(self) -> bool:
@@ -342,11 +343,14 @@ def decide(
 
     # 6. Room in every nested group the session's tier belongs to, for as many calls as fit.
     room = [limits[i] - groups[i] for i in range(index + 1)]
-    granted = min(widest, most_parallel(need.call_tokens, room))
+    fit = [most_parallel(need.call_tokens, [r]) for r in room]
+    granted = min(widest, *fit)
     if granted >= fewest:
+        # Shaped by the room left now (not by the session's size): the narrowest group bound.
+        narrowest = fit.index(min(fit)) if granted < widest else None
         if granted < need.max_parallel:
             signals["granted_parallel"] = granted
-        return answer(Decision.ADMIT, Reason.ADMITTED, granted=granted)
+        return answer(Decision.ADMIT, Reason.ADMITTED, granted=granted, bound_group=narrowest)
     want = fewest * need.call_tokens
     for i in range(index, -1, -1):
         if groups[i] + want > limits[i]:

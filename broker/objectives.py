@@ -14,10 +14,13 @@ factor on the fleet's KV capacity, moves by additive increase and multiplicative
   lower tiers is what slows a higher tier's calls, and lower tiers give way first). The calls
   judged so far are then forgotten for those tiers, so the next judgement sees only work that
   ran under the smaller window (TCP likewise waits a round trip after a loss);
-- when a tier group's factor bound an admission since the last step (a session was deferred
-  because the group was full), the windows that make that factor (the group's tiers and every
-  tier above them) grow by ``increase_per_s``, unless they were just cut: capacity nobody asks
-  for is not grown into, so a quiet fleet keeps what it learned;
+- when a tier group's factor bound an admission since the last step (a session was deferred,
+  or shaped to fewer calls, because the group was full), the windows that make that factor
+  (the group's tiers and every tier above them) grow, unless they were just cut: by
+  ``increase_per_s`` of their value a second until a tier's first cut (a slow start, as TCP's,
+  so that a fleet whose objectives allow a wide window finds it in seconds), by
+  ``increase_per_s`` a second after it. Capacity nobody asks for is not grown into, so a quiet
+  fleet keeps what it learned;
 - with fewer than ``min_calls`` judged, a tier is never in violation.
 
 Invariants a change must keep: every window stays within ``[floor, ceiling]``; the factor of a
@@ -55,14 +58,14 @@ class Objective:
 class WindowBounds:
     floor: float = 1.0
     """The operator's static over-commit (``KVGATE_ADMISSION_KV_OVERCOMMIT``)."""
-    ceiling: float = 4.0
+    ceiling: float = 16.0
     target: float = 0.99
     """The share of judged calls that must meet their objectives."""
     window_s: float = 20.0
     """Calls judged longer ago than this no longer count."""
     min_calls: int = 20
     decrease: float = 0.7
-    increase_per_s: float = 0.2
+    increase_per_s: float = 0.25
     start: float | None = None
     """The windows' first value; the floor when unset (nothing learned yet)."""
 
@@ -79,6 +82,8 @@ class ObjectiveWindows:
         }
         self._bound_group: int | None = None
         self._last_s: float | None = None
+        self._cut: set[Tier] = set()
+        """Tiers cut at least once: past their slow start."""
 
     def judge(self, tier: Tier, met: bool, now_s: float) -> None:
         """One ended call of an admitted session, met or missed."""
@@ -118,8 +123,11 @@ class ObjectiveWindows:
             if cut_from is not None and i >= cut_from:
                 self.windows[tier] = max(b.floor, self.windows[tier] * b.decrease)
                 self._judged[tier].clear()
+                self._cut.add(tier)
             elif self._bound_group is not None and i <= self._bound_group:
-                grown = self.windows[tier] + b.increase_per_s * elapsed
+                window = self.windows[tier]
+                step = b.increase_per_s * elapsed
+                grown = window + step if tier in self._cut else window * (1 + step)
                 self.windows[tier] = min(b.ceiling, grown)
         self._bound_group = None
         return dict(self.windows)

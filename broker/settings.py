@@ -73,7 +73,7 @@ class ApiSettings(BaseSettings):
     # `admission_kv_overcommit_max` while admitted calls meet their tiers' objectives and falls
     # when they do not; set both equal to turn learning off.
     admission_kv_overcommit: float = Field(default=1.0, gt=0, le=100)
-    admission_kv_overcommit_max: float = Field(default=4.0, gt=0, le=100)
+    admission_kv_overcommit_max: float = Field(default=16.0, gt=0, le=100)
     # The share of admitted calls that must meet their objectives (TTFT and TPOT) for a tier's
     # window to grow; below it the window shrinks.
     admission_objective_target: float = Field(default=0.99, gt=0, le=1)

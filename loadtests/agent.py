@@ -368,6 +368,9 @@ class Agent:
             body = {
                 "tier": trace.tier.value,
                 "max_parallel": trace.max_parallel,
+                # All or nothing: these agents judge each call's TTFT from its first attempt,
+                # so a call waiting for one of a shaped session's slots would count as slow.
+                "min_parallel": trace.max_parallel,
                 "expected_calls": len(trace.calls),
                 "est_prompt_tokens": trace.mean_prompt_tokens,
                 "est_output_tokens": trace.mean_output_tokens,

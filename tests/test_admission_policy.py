@@ -219,6 +219,7 @@ def test_a_session_that_does_not_fit_as_declared_is_shaped_to_what_fits() -> Non
     )  # fmt: skip
     assert (d.decision, d.reason, d.granted_parallel) == (Decision.ADMIT, Reason.ADMITTED, 2)
     assert d.reserve_tokens == 2 * 250 and d.signals["granted_parallel"] == 2
+    assert d.bound_group == 1  # the standard group's room shaped it: its window may grow
     # Not below what the session accepts: three at least do not fit, so it waits.
     assert run(need(parallel=4, least=3), h=full)[:2] == (Decision.DEFER, Reason.TIER_CAPACITY)
     # A session larger than its tier could ever hold is shaped too, not rejected: best-effort
@@ -227,7 +228,7 @@ def test_a_session_that_does_not_fit_as_declared_is_shaped_to_what_fits() -> Non
         need(Tier.BESTEFFORT, parallel=30, least=1), TENANT, fleet(), holdings(),
         Pressure.NORMAL, POLICY, max_age_s=MAX_AGE_S, jitter=0.0,
     )  # fmt: skip
-    assert (d.decision, d.granted_parallel) == (Decision.ADMIT, 20)
+    assert (d.decision, d.granted_parallel, d.bound_group) == (Decision.ADMIT, 20, None)
     assert run(need(Tier.BESTEFFORT, parallel=30, least=21))[1] is Reason.EXCEEDS_CAPACITY
     # Unshaped, the whole declared width is granted.
     d = decide(

@@ -36,13 +36,25 @@ def test_windows_start_at_the_floor_and_grow_only_where_admissions_were_bound() 
     w.step(5.0)  # met, but nobody was turned away: nothing to grow into
     assert w.windows == {G: 1.0, S: 1.0, B: 1.0}
     w.bound(1)  # a session was deferred because the standard group was full
-    w.step(7.5)  # 2.5 s at 0.2/s
-    assert w.windows[G] == pytest.approx(1.5) and w.windows[S] == pytest.approx(1.5)
+    w.step(7.5)  # slow start: 2.5 s at 25% a second
+    assert w.windows[G] == pytest.approx(1.625) and w.windows[S] == pytest.approx(1.625)
     assert w.windows[B] == 1.0  # the best-effort group did not bind
     for t in range(8, 40):
         w.bound(2)
         w.step(float(t))
     assert w.windows == {G: 4.0, S: 4.0, B: 4.0}  # never above the ceiling
+
+
+def test_after_its_first_cut_a_window_grows_by_a_constant_step() -> None:
+    w = ObjectiveWindows(BOUNDS)
+    w.windows.update({G: 2.0, S: 2.0, B: 2.0})
+    judge(w, B, met=0, missed=10, at_s=0.0)
+    w.step(0.0)
+    assert w.windows == {G: 2.0, S: 2.0, B: pytest.approx(1.4)}
+    w.bound(2)
+    w.step(2.0)  # 2 s: guaranteed and standard still in slow start, best-effort not
+    assert w.windows[G] == pytest.approx(3.0) and w.windows[S] == pytest.approx(3.0)
+    assert w.windows[B] == pytest.approx(1.9)
 
 
 def test_a_miss_rate_above_the_target_cuts_the_tier_and_every_tier_below_it() -> None:
