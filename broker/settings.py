@@ -129,9 +129,10 @@ class WorkerSettings(BaseSettings):
     # SIGTERM: how long in-flight calls may run before they are handed back.
     drain_grace_s: float = Field(default=30.0, ge=0)
     nak_delay_s: float = Field(default=1.0, ge=0)
-    # KV headroom (see workers/headroom.py): commit at most this share of the KV cache; fetch
+    # KV headroom (see workers/headroom.py): commit at most this share of the KV cache to calls
+    # below the guaranteed tier (guaranteed calls may add `guaranteed_reserve` above it); fetch
     # nothing while less than the low-water share is free.
-    kv_high_water: float = Field(default=0.90, gt=0, le=1)
+    kv_high_water: float = Field(default=0.95, gt=0, le=1)
     kv_low_water: float = Field(default=0.05, ge=0, lt=1)
     max_waiting: int = Field(default=0, ge=0)
     starvation_s: float = Field(default=10.0, gt=0)

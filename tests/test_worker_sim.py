@@ -305,8 +305,8 @@ async def test_staged_lower_tier_calls_do_not_keep_a_guaranteed_call_out(harness
     config = SimEngineConfig(max_num_seqs=16, kv_capacity_tokens=1024, block_size=16, step_s=0.01)
     policy = HeadroomPolicy(high_water=0.9, guaranteed_reserve=0.25)
     await harness.start_worker(config, headroom=policy)
-    # Each best-effort call costs 416 tokens and runs 4 s: one fits in the non-reserved
-    # share, the next waits staged, so no room is left for more lower-tier credit.
+    # Each best-effort call costs 416 tokens and runs 4 s: two fit under the high-water mark
+    # (921 tokens), the third waits staged, so no room is left for more lower-tier credit.
     low = [
         await harness.send(call(f"be{i}", tier=Tier.BESTEFFORT, max_tokens=400)) for i in range(3)
     ]

@@ -16,10 +16,16 @@ Accounting, per worker:
 - *staged*: calls fetched from JetStream but not yet handed to the engine (they did not fit
   when they arrived). They are started in tier order as room frees.
 
-Invariant: the committed peak stays at or under ``high_water * KV capacity`` (a single call
-larger than that runs only on an otherwise empty engine), so the engine never has to preempt:
-vLLM reserves only what a sequence holds and preempts when it runs out, kvgate starts a call
-only when the running set can finish without that.
+Invariant: calls of the lower tiers start only while the committed peak stays at or under
+``high_water * KV capacity`` (a single call larger than that runs only on an otherwise empty
+engine), so for them the engine never has to preempt: vLLM reserves only what a sequence holds
+and preempts when it runs out, kvgate starts a call only when the running set can finish
+without that. Guaranteed calls may also take ``guaranteed_reserve`` of the cache above that
+mark, so one arriving at a worker busy with lower tiers starts at once. Where the mark and the
+reserve add up past the cache, the peak may exceed it; vLLM, which schedules by kvgate's
+priority, then preempts the lowest-priority running call, never a guaranteed one for a lower
+tier: its preemption is the safety valve, for the top tier only. The reserve thus costs the
+lower tiers nothing while no guaranteed call needs it.
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ from workers.engine import EngineStats
 
 @dataclass(frozen=True, slots=True)
 class HeadroomPolicy:
-    high_water: float = 0.90
-    """Share of the KV cache the worker may commit."""
+    high_water: float = 0.95
+    """Share of the KV cache the worker may commit to calls below the guaranteed tier."""
     low_water: float = 0.05
     """Below this share of free KV cache, fetch nothing: a sliver of room only buys calls
     that then wait."""
@@ -46,9 +52,10 @@ class HeadroomPolicy:
     default_call_tokens: int = 512
     """Cost assumed for a call not yet seen, until the running estimate has data."""
     guaranteed_reserve: float = 0.15
-    """Share of the KV cache (and one sequence slot) that only guaranteed calls may use, so a
-    guaranteed call arriving at a worker busy with lower tiers starts at once instead of
-    waiting for a running call to finish."""
+    """Share of the KV cache above ``high_water`` (and one sequence slot) that only guaranteed
+    calls may use, so a guaranteed call arriving at a worker busy with lower tiers starts at
+    once instead of waiting for a running call to finish (module doc: past the cache, vLLM
+    preempts a lower tier's call for it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,10 +130,11 @@ def headroom(
         return Headroom(tokens=1 << 62, seqs=seqs, reserved_seqs=reserved_seqs)
     observed = math.ceil((stats.kv_cache_usage or 0.0) * capacity)
     used = max(committed_tokens, observed)
+    reserved = int(policy.guaranteed_reserve * capacity)
     return Headroom(
-        tokens=int(policy.high_water * capacity) - used,
+        tokens=int(policy.high_water * capacity) + reserved - used,
         seqs=seqs,
-        reserved_tokens=int(policy.guaranteed_reserve * capacity),
+        reserved_tokens=reserved,
         reserved_seqs=reserved_seqs,
     )
 
