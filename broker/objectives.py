@@ -18,9 +18,11 @@ factor on the fleet's KV capacity, moves by additive increase and multiplicative
   or shaped to fewer calls, because the group was full), the windows that make that factor
   (the group's tiers and every tier above them) grow, unless they were just cut: by
   ``increase_per_s`` of their value a second until a tier's first cut (a slow start, as TCP's,
-  so that a fleet whose objectives allow a wide window finds it in seconds), by
-  ``increase_per_s`` a second after it. Capacity nobody asks for is not grown into, so a quiet
-  fleet keeps what it learned;
+  so that a fleet whose objectives allow a wide window finds it in seconds); after it, by
+  ``increase_per_s`` a second, and only while the tier's judged calls show it meeting its
+  target (at least ``min_calls`` of them): the effect of a wider window shows only once the
+  sessions it admitted have run, so growing on no evidence overshoots. Capacity nobody asks
+  for is not grown into, so a quiet fleet keeps what it learned;
 - with fewer than ``min_calls`` judged, a tier is never in violation.
 
 Invariants a change must keep: every window stays within ``[floor, ceiling]``; the factor of a
@@ -66,6 +68,8 @@ class WindowBounds:
     min_calls: int = 20
     decrease: float = 0.7
     increase_per_s: float = 0.25
+    """Slow start: this share of the window a second; after a tier's first cut, this much a
+    second, and only on evidence (``min_calls`` judged, meeting ``target``)."""
     start: float | None = None
     """The windows' first value; the floor when unset (nothing learned yet)."""
 
@@ -109,6 +113,11 @@ class ObjectiveWindows:
         share, n = self.attainment(tier, now_s)
         return share is not None and n >= self.bounds.min_calls and share < self.bounds.target
 
+    def meeting(self, tier: Tier, now_s: float) -> bool:
+        """Enough of the tier's calls judged, and they meet the target."""
+        share, n = self.attainment(tier, now_s)
+        return share is not None and n >= self.bounds.min_calls and share >= self.bounds.target
+
     def step(self, now_s: float) -> dict[Tier, float]:
         """One control step; returns the windows."""
         b = self.bounds
@@ -127,8 +136,10 @@ class ObjectiveWindows:
             elif self._bound_group is not None and i <= self._bound_group:
                 window = self.windows[tier]
                 step = b.increase_per_s * elapsed
-                grown = window + step if tier in self._cut else window * (1 + step)
-                self.windows[tier] = min(b.ceiling, grown)
+                if tier not in self._cut:
+                    self.windows[tier] = min(b.ceiling, window * (1 + step))
+                elif self.meeting(tier, now_s):
+                    self.windows[tier] = min(b.ceiling, window + step)
         self._bound_group = None
         return dict(self.windows)
 

@@ -45,16 +45,20 @@ def test_windows_start_at_the_floor_and_grow_only_where_admissions_were_bound() 
     assert w.windows == {G: 4.0, S: 4.0, B: 4.0}  # never above the ceiling
 
 
-def test_after_its_first_cut_a_window_grows_by_a_constant_step() -> None:
+def test_after_its_first_cut_a_window_grows_by_a_constant_step_and_only_on_evidence() -> None:
     w = ObjectiveWindows(BOUNDS)
     w.windows.update({G: 2.0, S: 2.0, B: 2.0})
     judge(w, B, met=0, missed=10, at_s=0.0)
     w.step(0.0)
     assert w.windows == {G: 2.0, S: 2.0, B: pytest.approx(1.4)}
     w.bound(2)
-    w.step(2.0)  # 2 s: guaranteed and standard still in slow start, best-effort not
+    w.step(2.0)  # guaranteed and standard still in slow start; best-effort has no evidence
     assert w.windows[G] == pytest.approx(3.0) and w.windows[S] == pytest.approx(3.0)
-    assert w.windows[B] == pytest.approx(1.9)
+    assert w.windows[B] == pytest.approx(1.4)
+    judge(w, B, met=10, missed=0, at_s=2.5)  # the calls admitted under the cut meet it
+    w.bound(2)
+    w.step(4.0)
+    assert w.windows[B] == pytest.approx(1.9)  # 2 s at 0.25 a second
 
 
 def test_a_miss_rate_above_the_target_cuts_the_tier_and_every_tier_below_it() -> None:
