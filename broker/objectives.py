@@ -16,7 +16,9 @@ factor on the fleet's KV capacity, moves by additive increase and multiplicative
   ran under the smaller window (TCP likewise waits a round trip after a loss);
 - when a tier group's factor bound an admission since the last step (a session was deferred,
   or shaped to fewer calls, because the group was full), the windows that make that factor
-  (the group's tiers and every tier above them) grow, unless they were just cut: by
+  (the smallest among the group's tiers and the tiers above them) grow, unless they were just
+  cut; the others already allow more than the factor and are left alone, or a busy lower
+  tier would inflate a higher tier's window with nothing to show for it. They grow by
   ``increase_per_s`` of their value a second until a tier's first cut (a slow start, as TCP's,
   so that a fleet whose objectives allow a wide window finds it in seconds); after it, by
   ``increase_per_s`` a second, and only while the tier's judged calls show it meeting its
@@ -128,12 +130,17 @@ class ObjectiveWindows:
             if self.violated(tier, now_s):
                 cut_from = i
                 break
+        binding: set[Tier] = set()
+        if self._bound_group is not None:
+            group = TIERS_BY_PRIORITY[: self._bound_group + 1]
+            factor = min(self.windows[t] for t in group)
+            binding = {t for t in group if self.windows[t] <= factor * (1 + 1e-9)}
         for i, tier in enumerate(TIERS_BY_PRIORITY):
             if cut_from is not None and i >= cut_from:
                 self.windows[tier] = max(b.floor, self.windows[tier] * b.decrease)
                 self._judged[tier].clear()
                 self._cut.add(tier)
-            elif self._bound_group is not None and i <= self._bound_group:
+            elif tier in binding:
                 window = self.windows[tier]
                 step = b.increase_per_s * elapsed
                 if tier not in self._cut:

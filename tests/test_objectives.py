@@ -52,13 +52,18 @@ def test_after_its_first_cut_a_window_grows_by_a_constant_step_and_only_on_evide
     w.step(0.0)
     assert w.windows == {G: 2.0, S: 2.0, B: pytest.approx(1.4)}
     w.bound(2)
-    w.step(2.0)  # guaranteed and standard still in slow start; best-effort has no evidence
-    assert w.windows[G] == pytest.approx(3.0) and w.windows[S] == pytest.approx(3.0)
-    assert w.windows[B] == pytest.approx(1.4)
+    w.step(2.0)  # best-effort's window binds its group, and has no evidence yet
+    assert w.windows == {G: 2.0, S: 2.0, B: pytest.approx(1.4)}
     judge(w, B, met=10, missed=0, at_s=2.5)  # the calls admitted under the cut meet it
     w.bound(2)
     w.step(4.0)
     assert w.windows[B] == pytest.approx(1.9)  # 2 s at 0.25 a second
+    # Guaranteed and standard allow more than the best-effort group's factor: a busy
+    # best-effort tier does not widen them.
+    assert (w.windows[G], w.windows[S]) == (2.0, 2.0)
+    w.bound(1)
+    w.step(4.4)  # the standard group binds at 2.0: both of its windows are in slow start
+    assert w.windows[G] == pytest.approx(2.2) and w.windows[S] == pytest.approx(2.2)
 
 
 def test_a_miss_rate_above_the_target_cuts_the_tier_and_every_tier_below_it() -> None:
