@@ -63,9 +63,11 @@ async def stream_call(
 
 async def test_burst_of_three_caches_stays_under_the_high_water_mark(stack: Stack) -> None:
     """40 best-effort calls of 160 KV tokens each (3.1x the 2,048-token cache), then 4
-    guaranteed calls: KV usage stays under 0.9, no preemption, the engine's waiting queue stays
-    empty, and guaranteed calls get their first token within the objective while best-effort
-    calls wait."""
+    guaranteed calls. While only best-effort work runs: KV usage stays under the 0.95 mark, no
+    preemption, the engine's waiting queue stays empty. Guaranteed calls may then use the
+    reserve above the mark (vLLM may preempt a best-effort call for them: the safety valve,
+    ``workers/headroom.py``); they get their first token within the objective while
+    best-effort calls wait, and every call still ends with all its tokens."""
     async with (
         sample_fleet(stack.nats.url) as fleet,
         httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client,
@@ -76,21 +78,22 @@ async def test_burst_of_three_caches_stays_under_the_high_water_mark(stack: Stac
             for _ in range(40)
         ]
         await asyncio.sleep(1.0)
+        low_only, during = fleet.peaks, fleet.workers()[0]
+        fleet.reset()
         urgent = [
             asyncio.create_task(stream_call(client, body(16), tier="guaranteed")) for _ in range(4)
         ]
         results = await asyncio.gather(*urgent)
         low = await asyncio.gather(*burst)
         await asyncio.sleep(0.6)  # one more heartbeat
-        after = fleet.workers()[0]
         peaks = fleet.peaks
 
     assert [r for r in low if r["error"] or r["usage"]["completion_tokens"] != 128] == []
     assert all(r["error"] is None and r["usage"]["completion_tokens"] == 16 for r in results)
-    assert peaks.samples > 10
-    assert 0 < peaks.kv_cache_usage <= 0.9, peaks
-    assert after.num_preemptions == before.num_preemptions
-    assert peaks.num_waiting <= 1, peaks  # a request is "waiting" until its first schedule
+    assert low_only.samples > 5 and peaks.samples > 5
+    assert 0 < low_only.kv_cache_usage <= 0.95, low_only
+    assert during.num_preemptions == before.num_preemptions
+    assert low_only.num_waiting <= 1, low_only  # a request is "waiting" until its first schedule
     guaranteed_ttft = max(r["ttft"] for r in results)
     besteffort_ttft = sorted(r["ttft"] for r in low)
     assert guaranteed_ttft <= GUARANTEED_TTFT_BOUND_S, guaranteed_ttft
