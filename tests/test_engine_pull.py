@@ -91,7 +91,9 @@ async def test_burst_of_three_caches_stays_under_the_high_water_mark(stack: Stac
     assert [r for r in low if r["error"] or r["usage"]["completion_tokens"] != 128] == []
     assert all(r["error"] is None and r["usage"]["completion_tokens"] == 16 for r in results)
     assert low_only.samples > 5 and peaks.samples > 5
-    assert 0 < low_only.kv_cache_usage <= 0.95, low_only
+    # vLLM reports usage in whole blocks of the blocks it hands out, kvgate's mark is in tokens
+    # of the whole cache: up to two 16-token blocks of 2,048 apart (0.952 was seen).
+    assert 0 < low_only.kv_cache_usage <= 0.95 + 2 * 16 / 2048, low_only
     assert during.num_preemptions == before.num_preemptions
     assert low_only.num_waiting <= 1, low_only  # a request is "waiting" until its first schedule
     guaranteed_ttft = max(r["ttft"] for r in results)
