@@ -125,4 +125,6 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 def admission_state(settings: ApiSettings) -> AdmissionState:
     if settings.redis_url is None:
         return MemoryAdmissionState()
-    return RedisAdmissionState(settings.redis_url, prefix=settings.redis_prefix)
+    return RedisAdmissionState(
+        settings.redis_url, prefix=settings.redis_prefix, timeout_s=settings.redis_timeout_s
+    )

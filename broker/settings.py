@@ -64,6 +64,9 @@ class ApiSettings(BaseSettings):
     dev_tenant_tier: Tier = Tier.STANDARD
     redis_url: str | None = None
     redis_prefix: str = "{kvgate}"
+    # A Redis operation slower than this is "admission state unavailable" (503, or the degraded
+    # local budget for `degraded_tiers`): it bounds how long a blackholed Redis stalls callers.
+    redis_timeout_s: float = Field(default=0.5, gt=0, le=30)
     database_url: str = "sqlite:///.kvgate/ledger.db"
     ledger_queue: int = Field(default=10_000, ge=1)
     replica_id: str | None = None
