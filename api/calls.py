@@ -153,7 +153,6 @@ class _CallObservation:
         self._tier = call.tier.value
         self._created_s = call.created_ms / 1000
         self._published: float | None = None
-        self._first_event = False
         self._first_event_at: float | None = None
         self._first_token: float | None = None
         self._outcome: str | None = None
@@ -165,8 +164,7 @@ class _CallObservation:
 
     def events(self, batch: list[ReplyEvent]) -> None:
         now = time.monotonic()
-        if not self._first_event and self._published is not None:
-            self._first_event = True
+        if self._first_event_at is None and self._published is not None:
             self._first_event_at = now
             self._metrics.first_event.labels(self._tier).observe(now - self._published)
         tokens = 0

@@ -332,7 +332,7 @@ def decide(
         signals["fastest_finish_s"] = round(fastest_s, 3)
         if fastest_s > need.deadline_s:
             return answer(Decision.REJECT, Reason.DEADLINE_INFEASIBLE)
-        rounds = max(1, int(need.deadline_s // call_s)) if call_s > 0 else need.expected_calls
+        rounds = max(1, int(need.deadline_s // call_s))  # call_s > 0: output tokens >= 1
         fewest = max(fewest, math.ceil(need.expected_calls / rounds))
 
     # 5. Pressure from the live signals closes lower tiers first.
