@@ -29,6 +29,7 @@ from broker.admission import (
     SessionNeed,
     WorkerReading,
     decide,
+    fleet_has_room,
     fleet_load,
     retry_after_for_shortfall,
 )
@@ -134,7 +135,7 @@ class Admitter:
             self.metrics.pressure.set(int(self.pressure.state))
             if self.fallback is not None:
                 await self.fallback.sweep(now_ms)
-            self._learn_windows(now_ms)
+            self._learn_windows(now_ms, snapshot)
             try:
                 await self.state.sweep(now_ms)
                 if not self._state_reachable:
@@ -146,8 +147,9 @@ class Admitter:
                 self._state_reachable = False
             await asyncio.sleep(interval_s)
 
-    def _learn_windows(self, now_ms: int) -> None:
-        windows = self.windows.step(now_ms / 1000)
+    def _learn_windows(self, now_ms: int, snapshot: FleetSnapshot) -> None:
+        room = fleet_has_room(snapshot, self.max_age_s, self.windows.bounds.room_below)
+        windows = self.windows.step(now_ms / 1000, room=room)
         for tier, window in windows.items():
             self.metrics.window.labels(tier.value).set(window)
         self.metrics.overcommit.set(self.windows.group_factors()[0])

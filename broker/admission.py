@@ -170,6 +170,27 @@ def fleet_load(fleet: FleetSnapshot, max_age_s: float) -> float | None:
     return max(kv, backlog)
 
 
+def fleet_has_room(fleet: FleetSnapshot, max_age_s: float, below: float) -> bool:
+    """Whether the fleet measurably has room for more work: fresh readings from serving workers,
+    KV committed (the workers' predicted peak of what they run) and KV in use both under
+    ``below`` of capacity, and nothing staged at a worker, waiting in an engine or pending in
+    JetStream. Unknown is never room: no fresh reading, or the lag unread, is ``False``."""
+    live = [w for w in fleet.workers if w.age_s <= max_age_s and not w.draining]
+    if not live or fleet.pending_by_tier is None or any(fleet.pending_by_tier.values()):
+        return False
+    capacity = sum(w.kv_capacity_tokens or 0 for w in live)
+    if capacity <= 0 or any(w.staged or w.waiting for w in live):
+        return False
+    committed = sum(
+        w.committed_tokens
+        if w.committed_tokens is not None
+        else (w.kv_usage or 0.0) * (w.kv_capacity_tokens or 0)
+        for w in live
+    )
+    used = sum((w.kv_usage or 0.0) * (w.kv_capacity_tokens or 0) for w in live)
+    return max(committed, used) < below * capacity
+
+
 class PressureTracker:
     """Pressure state with hysteresis: a change is confirmed over ``confirm_readings``
     consecutive readings, escalation and recovery use different bands, and it moves one level
@@ -316,6 +337,7 @@ def decide(
 
     # 3. Bigger than the tier could ever hold on this fleet, even shaped to its minimum.
     index = TIERS_BY_PRIORITY.index(need.tier)
+    signals["group_factor"] = round(policy.kv_overcommit if factors is None else factors[index], 3)
     ever = most_parallel(need.call_tokens, ceilings[: index + 1])
     if ever < need.min_parallel:
         return answer(Decision.REJECT, Reason.EXCEEDS_CAPACITY, MAX_RETRY_AFTER_S)

@@ -25,6 +25,11 @@ factor on the fleet's KV capacity, moves by additive increase and multiplicative
   target (at least ``min_calls`` of them): the effect of a wider window shows only once the
   sessions it admitted have run, so growing on no evidence overshoots. Capacity nobody asks
   for is not grown into, so a quiet fleet keeps what it learned;
+- a binding window also grows, by ``room_increase_per_s`` of its value a second and whether or
+  not the tier was ever cut, while the fleet measurably has room (the caller says so: its
+  committed KV under ``room_below``, nothing staged or queued; ``broker.admission.fleet_has_room``).
+  Turning sessions away from an idle fleet is the one failure a wider window cannot make worse
+  before its sessions arrive, and their misses cut it again;
 - with fewer than ``min_calls`` judged, a tier is never in violation.
 
 Invariants a change must keep: every window stays within ``[floor, ceiling]``; the factor of a
@@ -72,6 +77,10 @@ class WindowBounds:
     increase_per_s: float = 0.25
     """Slow start: this share of the window a second; after a tier's first cut, this much a
     second, and only on evidence (``min_calls`` judged, meeting ``target``)."""
+    room_below: float = 0.5
+    """The fleet has room while its committed and used KV are both under this share."""
+    room_increase_per_s: float = 1.0
+    """Growth, a share of the window a second, of a binding window while the fleet has room."""
     start: float | None = None
     """The windows' first value; the floor when unset (nothing learned yet)."""
 
@@ -120,8 +129,9 @@ class ObjectiveWindows:
         share, n = self.attainment(tier, now_s)
         return share is not None and n >= self.bounds.min_calls and share >= self.bounds.target
 
-    def step(self, now_s: float) -> dict[Tier, float]:
-        """One control step; returns the windows."""
+    def step(self, now_s: float, *, room: bool = False) -> dict[Tier, float]:
+        """One control step; returns the windows. ``room``: the fleet measurably has room now
+        (see the module docstring)."""
         b = self.bounds
         elapsed = 0.0 if self._last_s is None else max(0.0, now_s - self._last_s)
         self._last_s = now_s
@@ -143,7 +153,10 @@ class ObjectiveWindows:
             elif tier in binding:
                 window = self.windows[tier]
                 step = b.increase_per_s * elapsed
-                if tier not in self._cut:
+                if room:
+                    grown = window * (1 + b.room_increase_per_s * elapsed)
+                    self.windows[tier] = min(b.ceiling, grown)
+                elif tier not in self._cut:
                     self.windows[tier] = min(b.ceiling, window * (1 + step))
                 elif self.meeting(tier, now_s):
                     self.windows[tier] = min(b.ceiling, window + step)

@@ -17,6 +17,7 @@ from broker.admission import (
     SessionNeed,
     WorkerReading,
     decide,
+    fleet_has_room,
     fleet_load,
 )
 from broker.tenants import DEFAULT_TIERS, Tenant
@@ -338,6 +339,25 @@ def test_fleet_load_is_kv_usage_or_backlog_and_unknown_without_fresh_workers() -
     # 16 slots: 48 calls pending is 1.5 batches of 2.
     assert fleet_load(fleet(worker(usage=0.4), pending=48), MAX_AGE_S) == pytest.approx(1.5)
     assert fleet_load(fleet(worker(age_s=10)), MAX_AGE_S) is None
+
+
+def test_the_fleet_has_room_only_with_little_committed_and_nothing_queued_anywhere() -> None:
+    def room(*workers: WorkerReading, pending: int = 0) -> bool:
+        return fleet_has_room(fleet(*workers, pending=pending), MAX_AGE_S, below=0.5)
+
+    assert room(worker(usage=0.2), worker("w2", usage=0.6))  # 4,000 of 10,000 tokens
+    assert not room(worker(usage=0.2), worker("w2", usage=0.9))
+    # The predicted peak counts, not only what the engine holds now.
+    assert not room(replace(worker(usage=0.1), committed_tokens=6_000))
+    assert room(replace(worker(usage=0.1), committed_tokens=4_000))
+    # Anything waiting, at a worker or in JetStream, is no room, however empty the cache.
+    assert not room(worker(usage=0.1, waiting=1))
+    assert not room(replace(worker(usage=0.1), staged=1))
+    assert not room(worker(usage=0.1), pending=1)
+    # Unknown is never room.
+    assert not room(worker(age_s=10))
+    assert not fleet_has_room(FleetSnapshot((worker(),), None), MAX_AGE_S, below=0.5)
+    assert not room(worker(draining=True))
 
 
 def test_pressure_escalates_only_after_consecutive_readings() -> None:

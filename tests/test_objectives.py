@@ -3,6 +3,8 @@ objectives and cut when they miss. Pure: each step is a function call with the c
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from broker.objectives import Objective, ObjectiveWindows, WindowBounds
@@ -64,6 +66,26 @@ def test_after_its_first_cut_a_window_grows_by_a_constant_step_and_only_on_evide
     w.bound(1)
     w.step(4.4)  # the standard group binds at 2.0: both of its windows are in slow start
     assert w.windows[G] == pytest.approx(2.2) and w.windows[S] == pytest.approx(2.2)
+
+
+def test_a_binding_window_grows_fast_while_the_fleet_has_room_even_after_a_cut() -> None:
+    w = ObjectiveWindows(replace(BOUNDS, room_increase_per_s=1.0))
+    w.windows.update({G: 2.0, S: 2.0, B: 2.0})
+    judge(w, B, met=0, missed=10, at_s=0.0)
+    w.step(0.0)
+    assert w.windows[B] == pytest.approx(1.4)
+    w.bound(2)
+    w.step(0.5, room=False)  # no evidence since the cut, and the fleet is busy: no growth
+    assert w.windows[B] == pytest.approx(1.4)
+    w.bound(2)
+    w.step(1.0, room=True)  # sessions turned away from a fleet with room: 50% in 0.5 s
+    assert w.windows[B] == pytest.approx(2.1)
+    w.step(1.5, room=True)  # nobody was turned away: room alone grows nothing
+    assert w.windows[B] == pytest.approx(2.1)
+    for t in range(2, 10):
+        w.bound(2)
+        w.step(float(t), room=True)
+    assert w.windows[B] == 4.0  # never above the ceiling
 
 
 def test_a_miss_rate_above_the_target_cuts_the_tier_and_every_tier_below_it() -> None:
