@@ -3,8 +3,17 @@
 A decision reads the fleet view (kept current by a KV watch), the consumer lag (refreshed in
 the background), and the holdings from the admission state (one Redis round trip); it calls
 the pure ``broker.admission.decide``; an admit then reserves atomically in the state store,
-which may still refuse if another replica took the room first. Every decision, whichever way
-it went, goes to the ledger and the metrics.
+which may still refuse if another replica took the room first. Every answer, whichever way it
+went, goes to the ledger and the metrics.
+
+A session that is deferred for want of room (``tier_capacity``, ``fleet_saturated``) may be
+held, up to its ``max_wait_s``, and decided again each time room may have freed: at once when
+a session ends on this replica, otherwise every ``HOLD_POLL_S`` (another replica's release is
+seen at the next poll). Its deadline shrinks by the time held, so a session that can no longer
+finish is rejected rather than admitted late. A held session is answered as soon as it fits,
+not at the next ``Retry-After`` a client would round up to whole seconds, and a client that
+retries at once without waiting spends its retries in milliseconds: holding serves both.
+Held sessions are not ordered among themselves beyond what the policy orders (tiers, shares).
 """
 
 from __future__ import annotations
@@ -55,6 +64,10 @@ log = logging.getLogger(__name__)
 # How long a stored lag reading stays usable; older means "lag unknown", not "no lag".
 LAG_MAX_AGE_S = 10.0
 SLOT_POLL_S = 0.05
+HOLD_POLL_S = 0.1
+HELD_REASONS = frozenset({Reason.TIER_CAPACITY, Reason.FLEET_SATURATED})
+"""Deferrals for want of room, which a short wait can end; the others (no workers, draining,
+shared state unreachable) are answered at once."""
 
 _MESSAGES: dict[Reason, str] = {
     Reason.TENANT_QUOTA: "the tenant is over its quota (sessions, parallel calls or tokens "
@@ -113,6 +126,7 @@ class Admitter:
         )
         self._rng = random.Random()
         self._slot_freed: dict[str, asyncio.Event] = {}
+        self._room_freed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._state_reachable = True
 
@@ -195,13 +209,33 @@ class Admitter:
         idle_timeout_s: float,
         metadata: dict[str, object] | None = None,
         idempotency_key: str | None = None,
+        max_wait_s: float = 0.0,
     ) -> Admitted:
-        """Admit a session or raise ``Refused`` (or ``AdmissionUnavailable``)."""
+        """Admit a session or raise ``Refused`` (or ``AdmissionUnavailable``). A session
+        deferred for want of room is held up to ``max_wait_s`` (see the module docstring)."""
         with tracer().start_as_current_span("admission") as span:
-            admitted = await self._admit(
-                tenant, need, scope, idle_timeout_s, metadata, idempotency_key, span
-            )
-        return admitted
+            held_from = time.monotonic()
+            held_s = 0.0
+            while True:
+                left_s = max_wait_s - held_s
+                waited = replace(need, deadline_s=need.deadline_s - held_s) if held_s else need
+                admitted = await self._admit(
+                    tenant,
+                    waited,
+                    scope,
+                    idle_timeout_s,
+                    metadata,
+                    idempotency_key,
+                    span,
+                    held_s,
+                    final=left_s <= 0,
+                )
+                if admitted is not None:
+                    return admitted
+                freed = self._room_freed
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(freed.wait(), min(HOLD_POLL_S, left_s))
+                held_s = time.monotonic() - held_from
 
     async def _admit(
         self,
@@ -212,7 +246,13 @@ class Admitter:
         metadata: dict[str, object] | None,
         idempotency_key: str | None,
         span: Span,
-    ) -> Admitted:
+        held_s: float,
+        *,
+        final: bool,
+    ) -> Admitted | None:
+        """One decision: admitted, or ``Refused`` raised. ``None`` is a deferral for want of
+        room that is not ``final``: not answered nor recorded, the caller holds the session and
+        asks again."""
         started = time.perf_counter()
         now_ms = int(time.time() * 1000)
         snapshot = self.snapshot(now_ms)
@@ -256,6 +296,11 @@ class Admitter:
                     decision = replace(decision, reason=Reason.ADMITTED_DEGRADED)
             degraded = True
         latency_s = time.perf_counter() - started
+        if admitted is None and not final and decision.reason in HELD_REASONS:
+            return None
+        if held_s:
+            decision = replace(decision, signals={**decision.signals, "held_s": round(held_s, 3)})
+        self.metrics.admission_held.labels(need.tier.value, decision.decision.value).observe(held_s)
         self._observe(tenant, need, decision, scope, admitted, latency_s)
         if span.is_recording():
             span.set_attributes(_span_attributes(tenant, need, decision, scope, admitted))
@@ -413,6 +458,7 @@ class Admitter:
         record = await self.store_for(session_id).release(session_id, SessionState.CLOSED, now_ms)
         assert record is not None
         self._wake(session_id)
+        self._free_room()
         return record
 
     # -- calls --------------------------------------------------------------------------------
@@ -464,6 +510,12 @@ class Admitter:
             await self.store_for(record.id).release(
                 record.id, SessionState.CLOSED, int(time.time() * 1000)
             )
+        self._free_room()
+
+    def _free_room(self) -> None:
+        """Wake every held session to be decided again: a reservation was released here."""
+        self._room_freed.set()
+        self._room_freed = asyncio.Event()
 
 
 def _span_attributes(

@@ -143,6 +143,14 @@ class FrontDoorMetrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
             registry=self.registry,
         )
+        self.admission_held = Histogram(
+            "kvgate_admission_held_seconds",
+            "How long a session was held for room before its answer (0 when it was answered "
+            "at once), by tier and decision",
+            ["tier", "decision"],
+            buckets=(0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0),
+            registry=self.registry,
+        )
         self.pressure = Gauge(
             "kvgate_admission_pressure",
             "Admission pressure state: 0 normal, 1 elevated, 2 saturated",

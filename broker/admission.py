@@ -13,6 +13,10 @@ learned that admitted work can carry while meeting its objectives). Checks, in o
 4. the session cannot finish by its deadline even if it started now at the fastest decode
    speed per sequence the fleet currently shows → ``deadline_infeasible`` (reject);
 5. fleet pressure (hysteresis, below) shuts out lower tiers first → ``fleet_saturated``;
+   calls already queued for room that the session's calls would queue behind (staged at a
+   worker, waiting in an engine, pending in JetStream) → ``fleet_saturated`` (defer): each
+   such call means the fleet is full now, and a call that queues starts with its TTFT
+   objective already spent on waiting;
 6. the nested tier shares (see ``broker.tenants``) → ``tier_capacity``; then the fleet total →
    ``fleet_saturated`` (defer).
 
@@ -168,6 +172,23 @@ def fleet_load(fleet: FleetSnapshot, max_age_s: float) -> float | None:
         queued += sum(fleet.pending_by_tier.values())
     backlog = queued / (2 * slots) if slots else 0.0
     return max(kv, backlog)
+
+
+def queued_ahead(fleet: FleetSnapshot, tier: Tier, max_age_s: float) -> int:
+    """Calls waiting for room that a new call of ``tier`` would queue behind: those pending in
+    JetStream in its tier or a higher one and, below the guaranteed tier, those a worker staged
+    or its engine keeps waiting (a worker starts guaranteed calls first, from a reserve of
+    their own, so at a worker they queue behind nobody). An unread lag counts no pending
+    calls: the pressure bands already treat a backlog, and an outage of the lag reader must not
+    close admission."""
+    index = TIERS_BY_PRIORITY.index(tier)
+    queued = 0
+    if fleet.pending_by_tier is not None:
+        queued += sum(fleet.pending_by_tier.get(t, 0) for t in TIERS_BY_PRIORITY[: index + 1])
+    if tier is not Tier.GUARANTEED:
+        live = [w for w in fleet.workers if w.age_s <= max_age_s and not w.draining]
+        queued += sum(w.staged + w.waiting for w in live)
+    return queued
 
 
 def fleet_has_room(fleet: FleetSnapshot, max_age_s: float, below: float) -> bool:
@@ -361,6 +382,11 @@ def decide(
     if (pressure is Pressure.SATURATED and need.tier is not Tier.GUARANTEED) or (
         pressure is Pressure.ELEVATED and need.tier is Tier.BESTEFFORT
     ):
+        return answer(Decision.DEFER, Reason.FLEET_SATURATED, policy.default_retry_after_s)
+
+    queued = queued_ahead(fleet, need.tier, max_age_s)
+    signals["queued_ahead"] = queued
+    if queued:
         return answer(Decision.DEFER, Reason.FLEET_SATURATED, policy.default_retry_after_s)
 
     # 6. Room in every nested group the session's tier belongs to, for as many calls as fit.

@@ -80,6 +80,10 @@ class ApiSettings(BaseSettings):
     # The share of admitted calls that must meet their objectives (TTFT and TPOT) for a tier's
     # window to grow; below it the window shrinks.
     admission_objective_target: float = Field(default=0.99, gt=0, le=1)
+    # How long `POST /v1/sessions` may hold a session that does not fit now, waiting for room,
+    # before it answers 429 with Retry-After; a session may ask for less (`max_wait_s`), and is
+    # never held for more than a quarter of its deadline.
+    admission_max_wait_s: float = Field(default=2.0, ge=0, le=60)
     # Redis down: these tiers are admitted against a local budget of `degraded_share` of the
     # fleet (set it to 1/replicas so replicas together cannot over-admit); others are refused.
     degraded_tiers: list[Tier] = Field(default_factory=lambda: [Tier.GUARANTEED])

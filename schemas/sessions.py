@@ -29,6 +29,11 @@ class SessionCreate(BaseModel):
     deadline_s: float | None = Field(default=None, gt=0)
     """Defaults to the tier's default deadline."""
     idle_timeout_s: float | None = Field(default=None, gt=0)
+    max_wait_s: float | None = Field(default=None, ge=0)
+    """How long the front door may hold this request waiting for room when the session does
+    not fit now, before it answers 429 with ``Retry-After``; 0 answers at once. Defaults to
+    the front door's ``admission_max_wait_s``, which is also the most that may be asked; a
+    session is never held for more than a quarter of its deadline."""
     metadata: dict[str, MetadataValue] = Field(default_factory=dict, max_length=32)
 
 

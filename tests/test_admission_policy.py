@@ -314,6 +314,32 @@ def test_nested_tier_shares_keep_the_top_of_the_fleet_for_higher_tiers() -> None
     assert run(need(Tier.STANDARD), h=be_full)[:2] == (Decision.ADMIT, Reason.ADMITTED)
 
 
+def test_calls_queued_for_room_defer_sessions_whose_calls_would_queue_behind_them() -> None:
+    def queued(tier: Tier, f: FleetSnapshot) -> tuple[Decision, Reason, int | None]:
+        return run(need(tier), f=f)
+
+    staged = fleet(replace(worker(), staged=1))
+    # A worker starts guaranteed calls first: its staged calls hold back only lower tiers.
+    assert queued(Tier.STANDARD, staged)[:2] == (Decision.DEFER, Reason.FLEET_SATURATED)
+    assert queued(Tier.BESTEFFORT, fleet(worker(waiting=2)))[0] is Decision.DEFER
+    assert queued(Tier.GUARANTEED, staged)[:2] == (Decision.ADMIT, Reason.ADMITTED)
+    # In JetStream a call queues behind pending calls of its own tier and the tiers above it.
+    pending_standard = fleet(pending=3)
+    assert queued(Tier.GUARANTEED, pending_standard)[0] is Decision.ADMIT
+    assert queued(Tier.STANDARD, pending_standard)[0] is Decision.DEFER
+    assert queued(Tier.BESTEFFORT, pending_standard)[0] is Decision.DEFER
+    d = decide(
+        need(Tier.STANDARD), TENANT, staged, holdings(), Pressure.NORMAL, POLICY,
+        max_age_s=MAX_AGE_S, jitter=0.5,
+    )  # fmt: skip
+    assert d.signals["queued_ahead"] == 1 and d.retry_after_s is not None
+    # A stale worker's queue is not read (nor is its capacity: no worker is live).
+    assert (
+        queued(Tier.STANDARD, fleet(replace(worker(age_s=10), staged=5), worker("w2")))[0]
+        is Decision.ADMIT
+    )
+
+
 def test_a_full_fleet_defers_guaranteed_with_fleet_saturated() -> None:
     full = holdings(guaranteed=9_500)
     assert run(need(Tier.GUARANTEED), h=full)[:2] == (Decision.DEFER, Reason.FLEET_SATURATED)

@@ -4,6 +4,8 @@ an in-process worker on the simulated engine, with a tenants file."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import sqlite3
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -89,6 +91,30 @@ async def door(
         KVGATE_TENANTS_FILE=str(tenants_file),
         KVGATE_SERVED_MODEL_NAME=MODEL,
         KVGATE_DATABASE_URL=f"sqlite:///{ledger}",
+    )
+    engine = SimEngine(SimEngineConfig(step_s=0.004, kv_capacity_tokens=KV_TOKENS))
+    try:
+        async with sim_worker(engine, nats_server.url, "sim-1", ready_at=base):
+            yield Door(base, engine, ledger)
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+async def fixed_door(
+    nats_server: EmbeddedNats, tmp_path: Path, tenants_file: Path
+) -> AsyncIterator[Door]:
+    """A front door whose admission windows are fixed at 1 (no learning), so that only a
+    release makes room."""
+    ledger = tmp_path / "decisions.db"
+    proc, base = start_api(
+        nats_server.url,
+        tmp_path,
+        KVGATE_TENANTS_FILE=str(tenants_file),
+        KVGATE_SERVED_MODEL_NAME=MODEL,
+        KVGATE_DATABASE_URL=f"sqlite:///{ledger}",
+        KVGATE_ADMISSION_KV_OVERCOMMIT_MAX="1",
+        KVGATE_ADMISSION_MAX_WAIT_S="10",
     )
     engine = SimEngine(SimEngineConfig(step_s=0.004, kv_capacity_tokens=KV_TOKENS))
     try:
@@ -301,7 +327,7 @@ async def test_a_session_the_fleet_cannot_hold_now_is_deferred_with_an_honest_re
             await client.post("/v1/sessions", json=session_body(max_parallel=8)) for _ in range(2)
         ]
         deferred = await client.post(
-            "/v1/sessions", json=session_body(max_parallel=8, min_parallel=8)
+            "/v1/sessions", json=session_body(max_parallel=8, min_parallel=8, max_wait_s=0)
         )
         guaranteed = await client.post(
             "/v1/sessions", json=session_body(max_parallel=4, tier="guaranteed")
@@ -318,6 +344,54 @@ async def test_a_session_the_fleet_cannot_hold_now_is_deferred_with_an_honest_re
     assert after_release.status_code == 201
 
 
+async def test_a_session_that_does_not_fit_now_is_held_until_room_frees(
+    fixed_door: Door,
+) -> None:
+    # Standard may hold 3,276 tokens of 4,096 and the window never grows: two sessions of
+    # 8 x 150 leave no room for a third, until one of them closes.
+    wide = session_body(max_parallel=8, min_parallel=8)
+    async with fixed_door.client() as client:
+        admitted = [await client.post("/v1/sessions", json=wide) for _ in range(2)]
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        held = asyncio.create_task(client.post("/v1/sessions", json={**wide, "max_wait_s": 8}))
+        await asyncio.sleep(1.0)
+        assert not held.done()  # held, not answered 503
+        closed = loop.time()
+        await client.delete(f"/v1/sessions/{admitted[0].json()['id']}")
+        third = await held
+        answered = loop.time()
+        # Nothing closes now: the hold runs out and the answer is the deferral, as without one.
+        timed_out = await client.post("/v1/sessions", json={**wide, "max_wait_s": 1.5})
+        gave_up = loop.time()
+        too_long = await client.post("/v1/sessions", json={**wide, "max_wait_s": 11})
+        for resp in (admitted[1], third):
+            await client.delete(f"/v1/sessions/{resp.json()['id']}")
+    assert [r.status_code for r in admitted] == [201, 201]
+    assert third.status_code == 201, third.text
+    # Admitted because of the release (woken by it on this replica), not by a retry; the
+    # bound on how soon is generous for a loaded machine and says only "not the hold's end".
+    assert closed - asked >= 1.0 and answered - closed < 5.0
+    assert (timed_out.status_code, timed_out.json()["error"]["code"]) == (503, "tier_capacity")
+    assert 1 <= int(timed_out.headers["retry-after"]) <= 60
+    assert gave_up - answered >= 1.5
+    assert (too_long.status_code, too_long.json()["error"]["param"]) == (400, "max_wait_s")
+
+    def held_for() -> list[float | None]:
+        with contextlib.closing(sqlite3.connect(fixed_door.ledger)) as db:
+            rows = db.execute(
+                "select signals from admission_decisions where scope = 'session' order by id"
+            ).fetchall()
+        return [json.loads(signals).get("held_s") for (signals,) in rows]
+
+    # One row per answer: the two admitted at once, the held one, the one that timed out.
+    held_s = await poll_until(
+        lambda: asyncio.to_thread(held_for), lambda r: len(r) >= 4, timeout_s=10
+    )
+    assert len(held_s) == 4 and held_s[:2] == [None, None]
+    assert held_s[2] >= 1.0 and held_s[3] >= 1.5
+
+
 async def window(client: httpx.AsyncClient, tier: str = "standard") -> float:
     text = (await client.get("/metrics")).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -332,7 +406,7 @@ async def test_admission_window_grows_while_turned_away_and_shrinks_on_missed_ob
     # will not be shaped is deferred at first: the window starts at the static over-commit
     # (1). While sessions keep being turned away and no admitted call misses its objective,
     # the window grows, and the same request is admitted.
-    wide = session_body(max_parallel=8, min_parallel=8)
+    wide = session_body(max_parallel=8, min_parallel=8, max_wait_s=0)
     async with door.client() as client:
         held = [await client.post("/v1/sessions", json=wide) for _ in range(2)]
         first = await client.post("/v1/sessions", json=wide)
@@ -483,7 +557,8 @@ async def test_with_redis_down_guaranteed_degrades_to_a_local_budget_and_others_
         )
         # The local budget is half the fleet (KVGATE_DEGRADED_SHARE 0.5): 1,024 tokens.
         too_much = await client.post(
-            "/v1/sessions", json=session_body(tier="guaranteed", max_parallel=4, min_parallel=4)
+            "/v1/sessions",
+            json=session_body(tier="guaranteed", max_parallel=4, min_parallel=4, max_wait_s=0),
         )
         standard = await client.post("/v1/sessions", json=session_body())
         got = await client.get(f"/v1/sessions/{guaranteed.json()['id']}")

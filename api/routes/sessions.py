@@ -21,6 +21,9 @@ from schemas.vocab import Decision, ErrorCode, Reason, Tier
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+MAX_WAIT_SHARE_OF_DEADLINE = 0.25
+"""A session held longer than this share of its deadline is left too little time to finish in
+(the deadline check at admission assumes the fastest speed the fleet shows): answer instead."""
 _BODY_SCHEMA = {
     "requestBody": {
         "required": True,
@@ -34,6 +37,15 @@ async def create_session(request: Request, door: FrontDoorDep, tenant: TenantDep
     settings = door.settings
     body = parse_session_create(await read_body(request, settings.max_body_bytes))
     need = session_need(body, tenant, door.admitter)
+    max_wait_s = body.max_wait_s
+    if max_wait_s is None:
+        max_wait_s = settings.admission_max_wait_s
+    elif max_wait_s > settings.admission_max_wait_s:
+        raise InvalidRequest(
+            ErrorCode.INVALID_PARAMETER,
+            f"max_wait_s must be at most {settings.admission_max_wait_s:g}",
+            param="max_wait_s",
+        )
     key = request.headers.get(IDEMPOTENCY_HEADER)
     if key is not None and not (0 < len(key) <= 255 and key.isprintable()):
         raise InvalidRequest(
@@ -48,6 +60,7 @@ async def create_session(request: Request, door: FrontDoorDep, tenant: TenantDep
         idle_timeout_s=body.idle_timeout_s or settings.session_default_idle_timeout_s,
         metadata=dict(body.metadata),
         idempotency_key=key,
+        max_wait_s=min(max_wait_s, need.deadline_s * MAX_WAIT_SHARE_OF_DEADLINE),
     )
     reason = Reason.ADMITTED_DEGRADED if admitted.degraded else Reason.ADMITTED
     admission = SessionAdmission(
