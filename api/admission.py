@@ -24,6 +24,7 @@ import logging
 import random
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -65,6 +66,9 @@ log = logging.getLogger(__name__)
 LAG_MAX_AGE_S = 10.0
 SLOT_POLL_S = 0.05
 HOLD_POLL_S = 0.1
+UNSEEN_MARGIN_MS = 250
+"""A session admitted this long before a worker's reading may not have started its calls when
+the reading was taken: its reservation still counts as unseen (counting twice errs safe)."""
 HELD_REASONS = frozenset({Reason.TIER_CAPACITY, Reason.FLEET_SATURATED})
 """Deferrals for want of room, which a short wait can end; the others (no workers, draining,
 shared state unreachable) are answered at once."""
@@ -127,6 +131,8 @@ class Admitter:
         self._rng = random.Random()
         self._slot_freed: dict[str, asyncio.Event] = {}
         self._room_freed = asyncio.Event()
+        self._admitted_recently: deque[tuple[int, int]] = deque()
+        """(admitted at, unix ms; reserved tokens) of this replica's recent admissions."""
         self._task: asyncio.Task[None] | None = None
         self._state_reachable = True
 
@@ -171,6 +177,18 @@ class Admitter:
     def judge_call(self, tier: Tier, met: bool) -> None:
         """An ended call of an admitted session, judged against its objectives."""
         self.windows.judge(tier, met, time.time())
+
+    def _unseen_tokens(self, snapshot: FleetSnapshot, now_ms: int) -> int:
+        """Tokens reserved by this replica's admissions that the newest worker reading in
+        ``snapshot`` (taken at ``now_ms``) cannot show yet. Another replica's recent admissions are not known here: with several
+        replicas, a burst is bounded by the reservations and the workers' own headroom."""
+        fresh = [w.age_s for w in snapshot.workers]
+        newest_ms = now_ms - int(min(fresh, default=0.0) * 1000)
+        recent = self._admitted_recently
+        # Entries the fleet has surely seen are dropped; none older than a reading lingers.
+        while recent and recent[0][0] < newest_ms - UNSEEN_MARGIN_MS:
+            recent.popleft()
+        return sum(tokens for _, tokens in recent)
 
     @property
     def max_age_s(self) -> float:
@@ -335,6 +353,9 @@ class Admitter:
         idempotency_key: str | None,
     ) -> tuple[tuple[SessionRecord, bool] | None, AdmissionDecision]:
         holdings = await state.holdings(tenant.id, now_ms)
+        # Read after the await and recorded below before the next one, so that sessions
+        # decided concurrently on this replica each see the others' admissions.
+        snapshot = replace(snapshot, unseen_tokens=self._unseen_tokens(snapshot, now_ms))
         policy = self.policy
         if share < 1.0:
             policy = replace(policy, kv_overcommit=policy.kv_overcommit * share)
@@ -354,6 +375,8 @@ class Admitter:
             self.windows.bound(decision.bound_group)
         if not decision.admitted:
             return None, decision
+        admitted_at = (int(time.time() * 1000), decision.reserve_tokens)
+        self._admitted_recently.append(admitted_at)
         granted = decision.granted_parallel
         deadline_ms = now_ms + int(need.deadline_s * 1000)
         idle_ms = int(idle_timeout_s * 1000)
@@ -387,6 +410,8 @@ class Admitter:
         )
         if outcome.record is not None:
             return (outcome.record, outcome.existing), decision
+        with contextlib.suppress(ValueError):
+            self._admitted_recently.remove(admitted_at)
         # Another replica took the room between our snapshot and our reservation.
         kind = Decision.REJECT if outcome.reason is Reason.TENANT_QUOTA else Decision.DEFER
         retry = retry_after_for_shortfall(

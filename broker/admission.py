@@ -18,7 +18,12 @@ learned that admitted work can carry while meeting its objectives). Checks, in o
    such call means the fleet is full now, and a call that queues starts with its TTFT
    objective already spent on waiting;
 6. the nested tier shares (see ``broker.tenants``) → ``tier_capacity``; then the fleet total →
-   ``fleet_saturated`` (defer).
+   ``fleet_saturated`` (defer);
+7. the session's first turn (every granted call at once) does not fit in the KV the workers
+   have not committed, less what sessions admitted since their last readings will commit →
+   ``fleet_saturated`` (defer): its calls would be staged at a worker and start late. 6 bounds
+   what admitted sessions may hold over their lives (most of it idle at any moment, which the
+   windows learn); 7 is what the fleet can start now.
 
 Shaping before refusing (as Sluice lowers ``max_tokens`` before it rejects): a session that does
 not fit as declared in 3 or 6 is admitted with fewer calls in flight, as many as fit, if that is
@@ -67,6 +72,9 @@ class FleetSnapshot:
     workers: tuple[WorkerReading, ...]
     pending_by_tier: Mapping[Tier, int] | None
     """JetStream consumer backlog per tier; ``None`` when the lag could not be read."""
+    unseen_tokens: int = 0
+    """Reserved by sessions admitted (here) too recently for the readings to show their calls:
+    what they will commit is counted as if they had committed all of it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +197,19 @@ def queued_ahead(fleet: FleetSnapshot, tier: Tier, max_age_s: float) -> int:
         live = [w for w in fleet.workers if w.age_s <= max_age_s and not w.draining]
         queued += sum(w.staged + w.waiting for w in live)
     return queued
+
+
+def uncommitted_tokens(fleet: FleetSnapshot, max_age_s: float) -> int:
+    """KV tokens the serving workers have not committed (by the predicted peak of what they
+    run, or what the engine holds where that is more), less ``fleet.unseen_tokens``; at most
+    the fleet's capacity, possibly negative."""
+    live = [w for w in fleet.workers if w.age_s <= max_age_s and not w.draining]
+    free = 0
+    for w in live:
+        capacity = w.kv_capacity_tokens or 0
+        used = math.ceil((w.kv_usage or 0.0) * capacity)
+        free += capacity - max(w.committed_tokens or 0, used)
+    return free - fleet.unseen_tokens
 
 
 def fleet_has_room(fleet: FleetSnapshot, max_age_s: float, below: float) -> bool:
@@ -398,6 +419,12 @@ def decide(
         narrowest = fit.index(min(fit)) if granted < widest else None
         if granted < need.max_parallel:
             signals["granted_parallel"] = granted
+        # 7. What the fleet can start now. Not a bound of the windows: it says nothing about
+        # how much of their reservations admitted sessions use over their lives.
+        free = uncommitted_tokens(fleet, max_age_s)
+        signals["uncommitted_tokens"] = free
+        if granted * need.call_tokens > free:
+            return answer(Decision.DEFER, Reason.FLEET_SATURATED, policy.default_retry_after_s)
         return answer(Decision.ADMIT, Reason.ADMITTED, granted=granted, bound_group=narrowest)
     want = fewest * need.call_tokens
     for i in range(index, -1, -1):

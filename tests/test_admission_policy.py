@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from broker.admission import (
+    AdmissionDecision,
     AdmissionPolicy,
     FleetSnapshot,
     Holdings,
@@ -337,6 +338,33 @@ def test_calls_queued_for_room_defer_sessions_whose_calls_would_queue_behind_the
     assert (
         queued(Tier.STANDARD, fleet(replace(worker(age_s=10), staged=5), worker("w2")))[0]
         is Decision.ADMIT
+    )
+
+
+def test_a_first_turn_that_the_workers_cannot_start_now_is_deferred() -> None:
+    # 10,000 tokens of cache; the session's first turn is 4 x 250 = 1,000.
+    def first_turn(committed: int, unseen: int = 0) -> AdmissionDecision:
+        busy = FleetSnapshot(
+            (replace(worker(usage=0.1), committed_tokens=committed),), {}, unseen_tokens=unseen
+        )
+        return decide(
+            need(Tier.GUARANTEED), TENANT, busy, holdings(), Pressure.NORMAL, POLICY,
+            max_age_s=MAX_AGE_S, jitter=0.5,
+        )  # fmt: skip
+
+    assert first_turn(9_000).decision is Decision.ADMIT
+    assert first_turn(9_001).reason is Reason.FLEET_SATURATED
+    # Sessions admitted since the reading will commit their reservations too.
+    deferred = first_turn(8_000, unseen=1_500)
+    assert (deferred.decision, deferred.reason) == (Decision.DEFER, Reason.FLEET_SATURATED)
+    assert deferred.signals["uncommitted_tokens"] == 500
+    assert deferred.bound_group is None  # not a reason for the windows to grow
+    # What the engine holds counts where it is more than the workers' predicted peak.
+    assert first_turn(0).decision is Decision.ADMIT
+    full_engine = FleetSnapshot((worker(usage=0.95),), {})
+    assert run(need(Tier.GUARANTEED), f=full_engine)[:2] == (
+        Decision.DEFER,
+        Reason.FLEET_SATURATED,
     )
 
 

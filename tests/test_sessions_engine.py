@@ -36,6 +36,8 @@ def agent_session() -> dict[str, Any]:
         "expected_calls": 10,
         "est_prompt_tokens": 30,
         "est_output_tokens": 64,
+        # Answered at once: a held session would be admitted once the window grew.
+        "max_wait_s": 0,
     }
 
 
