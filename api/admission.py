@@ -118,7 +118,9 @@ class Admitter:
         self.ledger = ledger
         self.replica = settings.replica_id or uuid.uuid4().hex[:12]
         self.policy = AdmissionPolicy(
-            tiers=tenancy.tiers, kv_overcommit=settings.admission_kv_overcommit
+            tiers=tenancy.tiers,
+            kv_overcommit=settings.admission_kv_overcommit,
+            deadline_margin=settings.admission_deadline_margin,
         )
         self.pressure = PressureTracker(self.policy.bands)
         self.windows = ObjectiveWindows(
@@ -180,8 +182,9 @@ class Admitter:
 
     def _unseen_tokens(self, snapshot: FleetSnapshot, now_ms: int) -> int:
         """Tokens reserved by this replica's admissions that the newest worker reading in
-        ``snapshot`` (taken at ``now_ms``) cannot show yet. Another replica's recent admissions are not known here: with several
-        replicas, a burst is bounded by the reservations and the workers' own headroom."""
+        ``snapshot`` (taken at ``now_ms``) cannot show yet. Another replica's recent
+        admissions are not known here: with several replicas, a burst is bounded by the
+        reservations and the workers' own headroom."""
         fresh = [w.age_s for w in snapshot.workers]
         newest_ms = now_ms - int(min(fresh, default=0.0) * 1000)
         recent = self._admitted_recently

@@ -10,8 +10,9 @@ learned that admitted work can carry while meeting its objectives). Checks, in o
 2. live workers: none fresh → ``no_workers``; all draining → ``draining`` (defer);
 3. a session bigger than its tier may ever hold, even with only ``min_parallel`` calls in
    flight → ``exceeds_capacity`` (reject);
-4. the session cannot finish by its deadline even if it started now at the fastest decode
-   speed per sequence the fleet currently shows → ``deadline_infeasible`` (reject);
+4. the session cannot finish by its deadline (divided by ``deadline_margin``) even if it
+   started now at the fastest decode speed per sequence the fleet currently shows →
+   ``deadline_infeasible`` (reject);
 5. fleet pressure (hysteresis, below) shuts out lower tiers first → ``fleet_saturated``;
    calls already queued for room that the session's calls would queue behind (staged at a
    worker, waiting in an engine, pending in JetStream) → ``fleet_saturated`` (defer): each
@@ -139,6 +140,9 @@ class AdmissionPolicy:
     kv_overcommit: float = 1.0
     bands: PressureBands = field(default_factory=PressureBands)
     default_retry_after_s: float = 5.0
+    deadline_margin: float = 1.0
+    """A session must be able to finish within its deadline divided by this, at the fastest
+    speed the fleet shows (1: only what cannot finish even at best is rejected)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,9 +398,10 @@ def decide(
         call_s = need.est_output_tokens / max(observed)
         fastest_s = math.ceil(need.expected_calls / widest) * call_s
         signals["fastest_finish_s"] = round(fastest_s, 3)
-        if fastest_s > need.deadline_s:
+        budget_s = need.deadline_s / policy.deadline_margin
+        if fastest_s > budget_s:
             return answer(Decision.REJECT, Reason.DEADLINE_INFEASIBLE)
-        rounds = max(1, int(need.deadline_s // call_s))  # call_s > 0: output tokens >= 1
+        rounds = max(1, int(budget_s // call_s))  # call_s > 0: output tokens >= 1
         fewest = max(fewest, math.ceil(need.expected_calls / rounds))
 
     # 5. Pressure from the live signals closes lower tiers first.
