@@ -85,10 +85,9 @@ class ApiSettings(BaseSettings):
     # never held for more than a quarter of its deadline.
     admission_max_wait_s: float = Field(default=2.0, ge=0, le=60)
     # A session is admitted only if it could finish within its deadline divided by this at the
-    # fastest decode speed the fleet shows: that speed is what one sequence gets alone, and a
-    # session admitted with less slack than this finishes late under load (1 rejects only what
-    # cannot finish even at best).
-    admission_deadline_margin: float = Field(default=2.0, ge=1, le=100)
+    # fastest decode speed the fleet shows (1: only what cannot finish even at best is
+    # rejected). 2 was measured in the CPU sweep and refused more without more good sessions.
+    admission_deadline_margin: float = Field(default=1.0, ge=1, le=100)
     # Redis down: these tiers are admitted against a local budget of `degraded_share` of the
     # fleet (set it to 1/replicas so replicas together cannot over-admit); others are refused.
     degraded_tiers: list[Tier] = Field(default_factory=lambda: [Tier.GUARANTEED])
