@@ -8,11 +8,12 @@ went, goes to the ledger and the metrics.
 
 A session that is deferred for want of room (``tier_capacity``, ``fleet_saturated``) may be
 held, up to its ``max_wait_s``, and decided again each time room may have freed: at once when
-a session ends on this replica, otherwise every ``HOLD_POLL_S`` (another replica's release is
-seen at the next poll). Its deadline shrinks by the time held, so a session that can no longer
-finish is rejected rather than admitted late. A held session is answered as soon as it fits,
-not at the next ``Retry-After`` a client would round up to whole seconds, and a client that
-retries at once without waiting spends its retries in milliseconds: holding serves both.
+a session ends on this replica, otherwise every ``HOLD_POLL_S`` or so (another replica's
+release, or a worker's new reading, is seen at the next poll). Its deadline shrinks by the
+time held, so a session that can no longer finish is rejected rather than admitted late. A
+held session is answered as soon as it fits, not at the next ``Retry-After`` a client would
+round up to whole seconds, and a client that retries at once without waiting spends its
+retries in milliseconds: holding serves both.
 Held sessions are not ordered among themselves beyond what the policy orders (tiers, shares).
 """
 
@@ -24,7 +25,6 @@ import logging
 import random
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -65,7 +65,9 @@ log = logging.getLogger(__name__)
 # How long a stored lag reading stays usable; older means "lag unknown", not "no lag".
 LAG_MAX_AGE_S = 10.0
 SLOT_POLL_S = 0.05
-HOLD_POLL_S = 0.1
+HOLD_POLL_S = 0.25
+"""How often a held session is decided again with no release seen here (each time one read of
+the shared state): a release on another replica, or a worker's reading, is seen this late."""
 UNSEEN_MARGIN_MS = 250
 """A session admitted this long before a worker's reading may not have started its calls when
 the reading was taken: its reservation still counts as unseen (counting twice errs safe)."""
@@ -133,8 +135,9 @@ class Admitter:
         self._rng = random.Random()
         self._slot_freed: dict[str, asyncio.Event] = {}
         self._room_freed = asyncio.Event()
-        self._admitted_recently: deque[tuple[int, int]] = deque()
-        """(admitted at, unix ms; reserved tokens) of this replica's recent admissions."""
+        self._admitted_recently: dict[str, tuple[int, int]] = {}
+        """This replica's recent admissions still held, in admission order: session id →
+        (admitted at, unix ms; reserved tokens). A released session commits nothing more."""
         self._task: asyncio.Task[None] | None = None
         self._state_reachable = True
 
@@ -189,9 +192,12 @@ class Admitter:
         newest_ms = now_ms - int(min(fresh, default=0.0) * 1000)
         recent = self._admitted_recently
         # Entries the fleet has surely seen are dropped; none older than a reading lingers.
-        while recent and recent[0][0] < newest_ms - UNSEEN_MARGIN_MS:
-            recent.popleft()
-        return sum(tokens for _, tokens in recent)
+        while recent:
+            first = next(iter(recent))
+            if recent[first][0] >= newest_ms - UNSEEN_MARGIN_MS:
+                break
+            del recent[first]
+        return sum(tokens for _, tokens in recent.values())
 
     @property
     def max_age_s(self) -> float:
@@ -254,8 +260,10 @@ class Admitter:
                 if admitted is not None:
                     return admitted
                 freed = self._room_freed
+                # Spread, so that sessions held together do not all read the state at once.
+                poll_s = HOLD_POLL_S * (0.5 + self._rng.random())
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(freed.wait(), min(HOLD_POLL_S, left_s))
+                    await asyncio.wait_for(freed.wait(), min(poll_s, left_s))
                 held_s = time.monotonic() - held_from
 
     async def _admit(
@@ -378,8 +386,6 @@ class Admitter:
             self.windows.bound(decision.bound_group)
         if not decision.admitted:
             return None, decision
-        admitted_at = (int(time.time() * 1000), decision.reserve_tokens)
-        self._admitted_recently.append(admitted_at)
         granted = decision.granted_parallel
         deadline_ms = now_ms + int(need.deadline_s * 1000)
         idle_ms = int(idle_timeout_s * 1000)
@@ -399,6 +405,7 @@ class Admitter:
             expires_ms=min(deadline_ms, now_ms + idle_ms),
             metadata=dict(metadata or {}),
         )
+        self._admitted_recently[record.id] = (int(time.time() * 1000), decision.reserve_tokens)
         outcome = await state.reserve(
             ReserveRequest(
                 record=record,
@@ -411,10 +418,12 @@ class Admitter:
             ),
             now_ms,
         )
+        if outcome.record is not None and not outcome.existing:
+            return (outcome.record, False), decision
+        # An idempotent retry got its earlier session back, or the store refused: nothing new.
+        self._admitted_recently.pop(record.id, None)
         if outcome.record is not None:
-            return (outcome.record, outcome.existing), decision
-        with contextlib.suppress(ValueError):
-            self._admitted_recently.remove(admitted_at)
+            return (outcome.record, True), decision
         # Another replica took the room between our snapshot and our reservation.
         kind = Decision.REJECT if outcome.reason is Reason.TENANT_QUOTA else Decision.DEFER
         retry = retry_after_for_shortfall(
@@ -486,7 +495,7 @@ class Admitter:
         record = await self.store_for(session_id).release(session_id, SessionState.CLOSED, now_ms)
         assert record is not None
         self._wake(session_id)
-        self._free_room()
+        self._free_room(session_id)
         return record
 
     # -- calls --------------------------------------------------------------------------------
@@ -538,10 +547,12 @@ class Admitter:
             await self.store_for(record.id).release(
                 record.id, SessionState.CLOSED, int(time.time() * 1000)
             )
-        self._free_room()
+        self._free_room(record.id)
 
-    def _free_room(self) -> None:
-        """Wake every held session to be decided again: a reservation was released here."""
+    def _free_room(self, session_id: str) -> None:
+        """Wake every held session to be decided again: ``session_id``'s reservation was
+        released here."""
+        self._admitted_recently.pop(session_id, None)
         self._room_freed.set()
         self._room_freed = asyncio.Event()
 
@@ -583,4 +594,5 @@ def session_need_for_call(
         est_prompt_tokens=prompt_tokens,
         est_output_tokens=max_tokens,
         deadline_s=deadline_s,
+        may_queue=True,
     )

@@ -101,6 +101,11 @@ class SessionNeed:
     deadline_s: float
     min_parallel: int = 1
     """The fewest calls in flight the session accepts being admitted with."""
+    may_queue: bool = False
+    """A plain call (a one-call session): it may wait in the queue (JetStream, the worker's
+    staging), bounded by its own deadline, rather than be deferred for a queue or a first turn
+    the workers cannot start now (checks 5 and 7). Its client asked for one answer, not for a
+    promise about a whole session."""
 
     @property
     def call_tokens(self) -> int:
@@ -410,7 +415,7 @@ def decide(
     ):
         return answer(Decision.DEFER, Reason.FLEET_SATURATED, policy.default_retry_after_s)
 
-    queued = queued_ahead(fleet, need.tier, max_age_s)
+    queued = 0 if need.may_queue else queued_ahead(fleet, need.tier, max_age_s)
     signals["queued_ahead"] = queued
     if queued:
         return answer(Decision.DEFER, Reason.FLEET_SATURATED, policy.default_retry_after_s)
@@ -428,7 +433,7 @@ def decide(
         # how much of their reservations admitted sessions use over their lives.
         free = uncommitted_tokens(fleet, max_age_s)
         signals["uncommitted_tokens"] = free
-        if granted * need.call_tokens > free:
+        if not need.may_queue and granted * need.call_tokens > free:
             return answer(Decision.DEFER, Reason.FLEET_SATURATED, policy.default_retry_after_s)
         return answer(Decision.ADMIT, Reason.ADMITTED, granted=granted, bound_group=narrowest)
     want = fewest * need.call_tokens

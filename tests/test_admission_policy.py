@@ -359,6 +359,13 @@ def test_a_first_turn_that_the_workers_cannot_start_now_is_deferred() -> None:
     assert (deferred.decision, deferred.reason) == (Decision.DEFER, Reason.FLEET_SATURATED)
     assert deferred.signals["uncommitted_tokens"] == 500
     assert deferred.bound_group is None  # not a reason for the windows to grow
+    # A plain call may wait in the queue instead, bounded by its own deadline.
+    call = replace(need(Tier.STANDARD, 1), may_queue=True)
+    queued = FleetSnapshot(
+        (replace(worker(usage=0.1), committed_tokens=10_000, staged=3),), {Tier.STANDARD: 5}
+    )
+    assert run(call, f=queued)[:2] == (Decision.ADMIT, Reason.ADMITTED)
+    assert run(replace(call, may_queue=False), f=queued)[0] is Decision.DEFER
     # What the engine holds counts where it is more than the workers' predicted peak.
     assert first_turn(0).decision is Decision.ADMIT
     full_engine = FleetSnapshot((worker(usage=0.95),), {})
