@@ -171,10 +171,15 @@ class AdmissionDecision:
         return self.decision is Decision.ADMIT
 
 
+def _serving(fleet: FleetSnapshot, max_age_s: float) -> list[WorkerReading]:
+    """Workers with a fresh reading that are not draining: the ones whose capacity counts."""
+    return [w for w in fleet.workers if w.age_s <= max_age_s and not w.draining]
+
+
 def fleet_load(fleet: FleetSnapshot, max_age_s: float) -> float | None:
     """One number for "how full is the fleet": the larger of its capacity-weighted KV usage and
     its queue backlog in units of two full batches. ``None`` with no fresh reading."""
-    live = [w for w in fleet.workers if w.age_s <= max_age_s and not w.draining]
+    live = _serving(fleet, max_age_s)
     if not live:
         return None
     capacity = sum(w.kv_capacity_tokens or 0 for w in live)
@@ -203,8 +208,7 @@ def queued_ahead(fleet: FleetSnapshot, tier: Tier, max_age_s: float) -> int:
     if fleet.pending_by_tier is not None:
         queued += sum(fleet.pending_by_tier.get(t, 0) for t in TIERS_BY_PRIORITY[: index + 1])
     if tier is not Tier.GUARANTEED:
-        live = [w for w in fleet.workers if w.age_s <= max_age_s and not w.draining]
-        queued += sum(w.staged + w.waiting for w in live)
+        queued += sum(w.staged + w.waiting for w in _serving(fleet, max_age_s))
     return queued
 
 
@@ -212,9 +216,8 @@ def uncommitted_tokens(fleet: FleetSnapshot, max_age_s: float) -> int:
     """KV tokens the serving workers have not committed (by the predicted peak of what they
     run, or what the engine holds where that is more), less ``fleet.unseen_tokens``; at most
     the fleet's capacity, possibly negative."""
-    live = [w for w in fleet.workers if w.age_s <= max_age_s and not w.draining]
     free = 0
-    for w in live:
+    for w in _serving(fleet, max_age_s):
         capacity = w.kv_capacity_tokens or 0
         used = math.ceil((w.kv_usage or 0.0) * capacity)
         free += capacity - max(w.committed_tokens or 0, used)
@@ -226,11 +229,11 @@ def fleet_has_room(fleet: FleetSnapshot, max_age_s: float, below: float) -> bool
     KV committed (the workers' predicted peak of what they run) and KV in use both under
     ``below`` of capacity, and nothing staged at a worker, waiting in an engine or pending in
     JetStream. Unknown is never room: no fresh reading, or the lag unread, is ``False``."""
-    live = [w for w in fleet.workers if w.age_s <= max_age_s and not w.draining]
-    if not live or fleet.pending_by_tier is None or any(fleet.pending_by_tier.values()):
+    live = _serving(fleet, max_age_s)
+    if not live or fleet.pending_by_tier is None:
         return False
     capacity = sum(w.kv_capacity_tokens or 0 for w in live)
-    if capacity <= 0 or any(w.staged or w.waiting for w in live):
+    if capacity <= 0 or queued_ahead(fleet, TIERS_BY_PRIORITY[-1], max_age_s):
         return False
     committed = sum(
         w.committed_tokens
