@@ -31,7 +31,7 @@ class SessionCreate(BaseModel):
     idle_timeout_s: float | None = Field(default=None, gt=0)
     max_wait_s: float | None = Field(default=None, ge=0)
     """How long the front door may hold this request waiting for room when the session does
-    not fit now, before it answers 429 with ``Retry-After``; 0 answers at once. Defaults to
+    not fit now, before it answers 503 with ``Retry-After``; 0 answers at once. Defaults to
     the front door's ``admission_max_wait_s``, which is also the most that may be asked; a
     session is never held for more than a quarter of its deadline."""
     metadata: dict[str, MetadataValue] = Field(default_factory=dict, max_length=32)
