@@ -78,7 +78,9 @@ async def test_replicas_sharing_redis_never_over_admit_and_release_a_dead_replic
         start_api(nats_server.url, tmp_path, KVGATE_DEV_TENANT_TIER="guaranteed", **env)
         for _ in range(REPLICAS)
     ]
-    store = RedisAdmissionState(REDIS_URL, prefix=prefix)
+    # The test's own reader shares the loop with 300 requests in flight: the same 5 s, or its
+    # connect times out while the loop is busy (seen in CI), which says nothing of the races.
+    store = RedisAdmissionState(REDIS_URL, prefix=prefix, timeout_s=5)
     rng = random.Random(7)
     try:
         async with heartbeats(nats_server.url, CAPACITY):
