@@ -96,6 +96,38 @@ class Admitted:
     degraded: bool
 
 
+class RecentAdmissions:
+    """This replica's recent admissions still held, in admission order: session id →
+    (admitted at, unix ms; reserved tokens), with their total kept as they come and go (it is
+    read on every decision). A released session commits nothing more."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[int, int]] = {}
+        self._tokens = 0
+
+    def add(self, session_id: str, at_ms: int, tokens: int) -> None:
+        self.drop(session_id)
+        self._entries[session_id] = (at_ms, tokens)
+        self._tokens += tokens
+
+    def drop(self, session_id: str) -> None:
+        entry = self._entries.pop(session_id, None)
+        if entry is not None:
+            self._tokens -= entry[1]
+
+    def tokens_since(self, since_ms: int) -> int:
+        """Forget the entries admitted before ``since_ms``; the tokens of those left."""
+        entries = self._entries
+        while entries:
+            first = next(iter(entries))
+            at_ms, tokens = entries[first]
+            if at_ms >= since_ms:
+                break
+            del entries[first]
+            self._tokens -= tokens
+        return self._tokens
+
+
 class Admitter:
     def __init__(
         self,
@@ -135,9 +167,7 @@ class Admitter:
         self._rng = random.Random()
         self._slot_freed: dict[str, asyncio.Event] = {}
         self._room_freed = asyncio.Event()
-        self._admitted_recently: dict[str, tuple[int, int]] = {}
-        """This replica's recent admissions still held, in admission order: session id →
-        (admitted at, unix ms; reserved tokens). A released session commits nothing more."""
+        self._admitted_recently = RecentAdmissions()
         self._task: asyncio.Task[None] | None = None
         self._state_reachable = True
 
@@ -190,14 +220,8 @@ class Admitter:
         reservations and the workers' own headroom."""
         fresh = [w.age_s for w in snapshot.workers]
         newest_ms = now_ms - int(min(fresh, default=0.0) * 1000)
-        recent = self._admitted_recently
         # Entries the fleet has surely seen are dropped; none older than a reading lingers.
-        while recent:
-            first = next(iter(recent))
-            if recent[first][0] >= newest_ms - UNSEEN_MARGIN_MS:
-                break
-            del recent[first]
-        return sum(tokens for _, tokens in recent.values())
+        return self._admitted_recently.tokens_since(newest_ms - UNSEEN_MARGIN_MS)
 
     @property
     def max_age_s(self) -> float:
@@ -405,7 +429,7 @@ class Admitter:
             expires_ms=min(deadline_ms, now_ms + idle_ms),
             metadata=dict(metadata or {}),
         )
-        self._admitted_recently[record.id] = (int(time.time() * 1000), decision.reserve_tokens)
+        self._admitted_recently.add(record.id, int(time.time() * 1000), decision.reserve_tokens)
         outcome = await state.reserve(
             ReserveRequest(
                 record=record,
@@ -421,7 +445,7 @@ class Admitter:
         if outcome.record is not None and not outcome.existing:
             return (outcome.record, False), decision
         # An idempotent retry got its earlier session back, or the store refused: nothing new.
-        self._admitted_recently.pop(record.id, None)
+        self._admitted_recently.drop(record.id)
         if outcome.record is not None:
             return (outcome.record, True), decision
         # Another replica took the room between our snapshot and our reservation.
@@ -552,7 +576,7 @@ class Admitter:
     def _free_room(self, session_id: str) -> None:
         """Wake every held session to be decided again: ``session_id``'s reservation was
         released here."""
-        self._admitted_recently.pop(session_id, None)
+        self._admitted_recently.drop(session_id)
         self._room_freed.set()
         self._room_freed = asyncio.Event()
 

@@ -1,7 +1,8 @@
 """Admission benchmarks.
 
-1. Policy: ``broker.admission.decide`` in-process on a realistic snapshot (8 workers, lag on
-   every tier, a tenant with sessions held), timed one decision at a time: p50/p99.
+1. Policy: ``broker.admission.decide`` in-process on a realistic snapshot (8 workers, a tenant
+   with sessions held, nothing queued, so that every decision runs all seven checks), timed
+   one decision at a time: p50/p99.
 2. HTTP: ``POST /v1/sessions`` against one front-door process (``kvgate api``, real uvicorn)
    with Redis admission state and the SQLite ledger on, at a fixed open-loop arrival rate
    (default 500 sessions/s), then closed-loop at a fixed concurrency for the rate one process
@@ -13,7 +14,9 @@ idle out after 2 s, so the state stays at steady size. Run:
 
     .venv/bin/python -m loadtests.bench_admission --out loadtests/results/admission.json
 
-(about 1 minute). Needs Redis on 127.0.0.1:6379 (``--redis-url``).
+(about 1 minute). Each HTTP run also reports the machine's load around it (load average, share
+of all cores busy): on a shared machine the tail follows the neighbours. Needs Redis on
+127.0.0.1:6379 (``--redis-url``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +52,35 @@ from broker.tenants import DEFAULT_TIERS, Tenant
 from schemas.vocab import Tier
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) CPU ticks of the whole machine since boot, from ``/proc/stat``; ``None``
+    where there is none. Steal counts as busy: a neighbour on the host took that time."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+@contextlib.contextmanager
+def machine_load(into: dict[str, Any]) -> Iterator[None]:
+    """Disclose what else ran: the 1-minute load average before and after, and the share of
+    all cores busy during the block (the benchmark's own client and server included)."""
+    before, load_before = cpu_ticks(), os.getloadavg()[0]
+    yield
+    after = cpu_ticks()
+    into["machine_load"] = {
+        "loadavg_1m_before": round(load_before, 2),
+        "loadavg_1m_after": round(os.getloadavg()[0], 2),
+        "cpu_busy_share": (
+            round((after[0] - before[0]) / max(after[1] - before[1], 1), 3)
+            if before and after
+            else None
+        ),
+    }
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
@@ -62,14 +94,14 @@ def bench_policy(decisions: int) -> dict[str, Any]:
             kv_usage=0.4 + 0.05 * i,
             kv_capacity_tokens=200_000,
             running=20 + i,
-            waiting=i % 3,
+            waiting=0,
             max_num_seqs=64,
             seq_tokens_per_s=40.0 + i,
             age_s=0.3 * i,
         )
         for i in range(8)
     )
-    fleet = FleetSnapshot(workers, {Tier.GUARANTEED: 3, Tier.STANDARD: 40, Tier.BESTEFFORT: 400})
+    fleet = FleetSnapshot(workers, {Tier.GUARANTEED: 0, Tier.STANDARD: 0, Tier.BESTEFFORT: 0})
     holdings = Holdings(
         reserved_by_tier={Tier.GUARANTEED: 200_000, Tier.STANDARD: 500_000, Tier.BESTEFFORT: 10},
         tenant_sessions=12,
@@ -250,13 +282,19 @@ async def bench_http(args: argparse.Namespace) -> dict[str, Any]:
             _, mark = server_side(ledger, 0)
             results: dict[str, Any] = {"open_loop": [], "closed_loop": None}
             for rate in args.rates:
-                run = await open_loop(base, rate, args.seconds)
+                load: dict[str, Any] = {}
+                with machine_load(load):
+                    run = await open_loop(base, rate, args.seconds)
+                run.update(load)
                 await asyncio.sleep(1.0)
                 run["server"], mark = server_side(ledger, mark)
                 results["open_loop"].append(run)
                 print(json.dumps(run), file=sys.stderr)
                 await asyncio.sleep(2.5)  # sessions idle out between runs
-            closed = await closed_loop(base, args.concurrency, args.seconds)
+            load = {}
+            with machine_load(load):
+                closed = await closed_loop(base, args.concurrency, args.seconds)
+            closed.update(load)
             await asyncio.sleep(1.0)
             closed["server"], mark = server_side(ledger, mark)
             results["closed_loop"] = closed
@@ -282,6 +320,7 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {
             "cpus": os.cpu_count(),
+            "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
             "python": platform.python_version(),
             "platform": platform.platform(),
         },

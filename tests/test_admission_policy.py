@@ -466,3 +466,20 @@ def test_every_refusal_reason_is_an_error_code_with_an_http_status() -> None:
     refusals = [r for r in Reason if r not in (Reason.ADMITTED, Reason.ADMITTED_DEGRADED)]
     assert {STATUS_BY_CODE[r.error_code] for r in refusals} == {429, 503}
     assert set(STATUS_BY_CODE) == set(ErrorCode)
+
+
+def test_recent_admissions_count_the_tokens_a_reading_cannot_show_yet() -> None:
+    from api.admission import RecentAdmissions
+
+    recent = RecentAdmissions()
+    recent.add("a", 1_000, 300)
+    recent.add("b", 1_100, 200)
+    recent.add("c", 1_200, 100)
+    assert recent.tokens_since(0) == 600
+    recent.drop("b")  # released: commits nothing more
+    recent.drop("b")  # twice is harmless
+    assert recent.tokens_since(0) == 400
+    assert recent.tokens_since(1_050) == 100  # "a" is older than the reading: seen, forgotten
+    assert recent.tokens_since(0) == 100  # and does not come back
+    recent.add("c", 1_300, 50)  # the same session again counts once
+    assert recent.tokens_since(0) == 50
