@@ -54,7 +54,7 @@ from broker.admission_state import (
 from broker.errors import AdmissionUnavailable, DeadlineExceeded, KvgateError, Refused
 from broker.fleet import FleetView
 from broker.ledger import Ledger, LedgerEntry, utcnow
-from broker.objectives import ObjectiveWindows, WindowBounds
+from broker.objectives import ObjectiveWindows, SessionPace, WindowBounds
 from broker.settings import ApiSettings
 from broker.telemetry import tracer
 from broker.tenants import Tenancy, Tenant
@@ -164,6 +164,8 @@ class Admitter:
                 target=settings.admission_objective_target,
             )
         )
+        q = settings.admission_pace_quantile
+        self.pace = SessionPace(q) if q > 0 else None
         self._rng = random.Random()
         self._slot_freed: dict[str, asyncio.Event] = {}
         self._room_freed = asyncio.Event()
@@ -191,6 +193,8 @@ class Admitter:
             if self.fallback is not None:
                 await self.fallback.sweep(now_ms)
             self._learn_windows(now_ms, snapshot)
+            if self.pace is not None:
+                self.pace.refresh(now_ms / 1000)
             try:
                 await self.state.sweep(now_ms)
                 if not self._state_reachable:
@@ -405,6 +409,7 @@ class Admitter:
             max_age_s=self.max_age_s,
             jitter=jitter,
             factors=[f * share for f in self.windows.group_factors()],
+            session_pace_s=None if self.pace is None else self.pace.current,
         )
         if decision.bound_group is not None:
             self.windows.bound(decision.bound_group)
@@ -514,13 +519,34 @@ class Admitter:
         return record
 
     async def close(self, tenant: Tenant, session_id: str) -> SessionRecord:
-        await self.get(tenant, session_id)
+        before = await self.get(tenant, session_id)
         now_ms = int(time.time() * 1000)
         record = await self.store_for(session_id).release(session_id, SessionState.CLOSED, now_ms)
         assert record is not None
+        self._learn_pace(before, now_ms)
         self._wake(session_id)
         self._free_room(session_id)
         return record
+
+    def _learn_pace(self, before: SessionRecord, now_ms: int) -> None:
+        """A session its client closed: how long it took. One that ran out of its deadline
+        first (the lease expired there) took its whole deadline; a second ``DELETE`` of it
+        counts again, which errs slow. One that idled out says nothing of its pace."""
+        if self.pace is None:
+            return
+        if before.state is SessionState.ACTIVE:
+            ended_ms = now_ms
+        elif before.state is SessionState.EXPIRED and before.expires_ms >= before.deadline_ms:
+            ended_ms = before.deadline_ms
+        else:
+            return
+        self.pace.observe(
+            now_ms / 1000,
+            (ended_ms - before.created_ms) / 1000,
+            expected_calls=before.expected_calls,
+            max_parallel=before.max_parallel,
+            est_output_tokens=before.est_output_tokens,
+        )
 
     # -- calls --------------------------------------------------------------------------------
 

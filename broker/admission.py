@@ -11,7 +11,8 @@ learned that admitted work can carry while meeting its objectives). Checks, in o
 3. a session bigger than its tier may ever hold, even with only ``min_parallel`` calls in
    flight → ``exceeds_capacity`` (reject);
 4. the session cannot finish by its deadline (divided by ``deadline_margin``) even if it
-   started now at the fastest decode speed per sequence the fleet currently shows →
+   started now at the fastest decode speed per sequence the fleet currently shows, or at the
+   pace that recently admitted sessions actually kept (slower: it includes their waits) →
    ``deadline_infeasible`` (reject);
 5. fleet pressure (hysteresis, below) shuts out lower tiers first → ``fleet_saturated``;
    calls already queued for room that the session's calls would queue behind (staged at a
@@ -319,12 +320,15 @@ def decide(
     max_age_s: float,
     jitter: float,
     factors: Sequence[float] | None = None,
+    session_pace_s: float | None = None,
 ) -> AdmissionDecision:
     """``jitter`` in [0, 1) spreads retries: ``Retry-After`` estimates are scaled by 0.8 to 1.2.
-    ``factors``, one per nested tier group (``broker.objectives`` learns them from the
-    objectives admitted calls met), replace the policy's static over-commit for what may be
-    reserved now, and never go below it; whether a session could *ever* fit is judged by the
-    static one, so that a rejection does not depend on the moment it was asked.
+    ``session_pace_s``: how long admitted sessions took per output token of a round of calls
+    (``broker.objectives.SessionPace``), for check 4. ``factors``, one per nested tier group
+    (``broker.objectives`` learns them from the objectives admitted calls met), replace the
+    policy's static over-commit for what may be reserved now, and never go below it; whether a
+    session could *ever* fit is judged by the static one, so that a rejection does not depend
+    on the moment it was asked.
 
     A session that does not fit with ``max_parallel`` calls in flight is granted fewer, down to
     ``min_parallel`` and to the fewest with which it can still finish by its deadline
@@ -402,14 +406,22 @@ def decide(
     # speed observed yet, nothing is rejected on a guess.
     fewest = need.min_parallel
     observed = [w.seq_tokens_per_s for w in serving if w.seq_tokens_per_s]
-    if observed:
-        call_s = need.est_output_tokens / max(observed)
+    # The learned pace (seconds per output token of a round, everything a session waits for
+    # included) where there is one, never faster than the fastest decode the fleet shows. A
+    # plain call waits for no tool: its own speed is its bound.
+    paced = session_pace_s is not None and not need.may_queue
+    if observed or paced:
+        call_s = need.est_output_tokens / max(observed) if observed else 0.0
+        if paced:
+            assert session_pace_s is not None
+            signals["session_pace_ms"] = round(session_pace_s * 1000, 3)
+            call_s = max(call_s, need.est_output_tokens * session_pace_s)
         fastest_s = math.ceil(need.expected_calls / widest) * call_s
         signals["fastest_finish_s"] = round(fastest_s, 3)
         budget_s = need.deadline_s / policy.deadline_margin
         if fastest_s > budget_s:
             return answer(Decision.REJECT, Reason.DEADLINE_INFEASIBLE)
-        rounds = max(1, int(budget_s // call_s))  # call_s > 0: output tokens >= 1
+        rounds = max(1, int(budget_s // call_s)) if call_s > 0 else need.expected_calls
         fewest = max(fewest, math.ceil(need.expected_calls / rounds))
 
     # 5. Pressure from the live signals closes lower tiers first.

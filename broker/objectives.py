@@ -41,6 +41,7 @@ violation always narrows every group below it. Pure: the clock is an argument.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -172,3 +173,65 @@ class ObjectiveWindows:
             smallest = min(smallest, self.windows[tier])
             out.append(smallest)
         return tuple(out)
+
+
+class SessionPace:
+    """How long admitted sessions take, learned from those that ended: seconds per declared
+    output token of each round of calls (a session of ``expected_calls`` with ``max_parallel``
+    in flight runs ``ceil(expected_calls / max_parallel)`` rounds of ``est_output_tokens``).
+    What a session waits for besides decoding (time to first token under load, its client's
+    tool time between turns, slots and queues) is in the pace too, which is the point: the
+    fastest decode speed alone says a late session can finish when it cannot.
+
+    ``current`` is the ``quantile`` of the paces of sessions ended within ``window_s`` (at most
+    ``max_samples``), refreshed by ``refresh``, or ``None`` with fewer than ``min_sessions``.
+    A session given up at its deadline ended slow, so it raises the pace: the estimate errs
+    late, and its feedback is stable (slower sessions under load make admission stricter,
+    which lightens the load)."""
+
+    def __init__(
+        self,
+        quantile: float,
+        *,
+        window_s: float = 120.0,
+        min_sessions: int = 20,
+        max_samples: int = 512,
+    ) -> None:
+        if not 0 < quantile <= 1 or min_sessions < 2:
+            raise ValueError("the pace needs a quantile in (0, 1] and min_sessions >= 2")
+        self.quantile = quantile
+        self.window_s = window_s
+        self.min_sessions = min_sessions
+        self._paces: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self.current: float | None = None
+
+    def observe(
+        self,
+        now_s: float,
+        duration_s: float,
+        *,
+        expected_calls: int,
+        max_parallel: int,
+        est_output_tokens: int,
+    ) -> None:
+        """A session that ended ``duration_s`` after its admission."""
+        rounds = math.ceil(expected_calls / max(max_parallel, 1))
+        tokens = rounds * est_output_tokens
+        if tokens > 0 and duration_s >= 0:
+            self._paces.append((now_s, duration_s / tokens))
+
+    def refresh(self, now_s: float) -> float | None:
+        paces = self._paces
+        while paces and paces[0][0] < now_s - self.window_s:
+            paces.popleft()
+        if len(paces) < self.min_sessions:
+            self.current = None
+        else:
+            values = [pace for _, pace in paces]
+            if self.quantile >= 1:
+                self.current = max(values)
+            else:
+                # 99 cut points: the quantile to the percent, interpolated between sessions.
+                cuts = statistics.quantiles(values, n=100, method="inclusive")
+                self.current = cuts[max(0, round(self.quantile * 100) - 1)]
+        return self.current

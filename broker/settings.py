@@ -88,6 +88,11 @@ class ApiSettings(BaseSettings):
     # fastest decode speed the fleet shows (1: only what cannot finish even at best is
     # rejected). 2 was measured in the CPU sweep and refused more without more good sessions.
     admission_deadline_margin: float = Field(default=1.0, ge=1, le=100)
+    # Check 4 also predicts a session's duration from how long the sessions this replica admitted
+    # recently took (seconds per declared output token of each round of calls, this quantile of
+    # them; broker/objectives.SessionPace), so that one admitted with too little of its deadline
+    # left is rejected rather than run to a miss. 0 turns it off.
+    admission_pace_quantile: float = Field(default=0.9, ge=0, le=1)
     # Redis down: these tiers are admitted against a local budget of `degraded_share` of the
     # fleet (set it to 1/replicas so replicas together cannot over-admit); others are refused.
     degraded_tiers: list[Tier] = Field(default_factory=lambda: [Tier.GUARANTEED])

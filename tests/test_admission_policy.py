@@ -281,6 +281,37 @@ def test_a_deadline_the_session_cannot_meet_is_rejected_without_retry_after() ->
     assert run(need(parallel=8, deadline_s=6), f)[1] is Reason.ADMITTED  # one round
 
 
+def test_the_pace_admitted_sessions_kept_rejects_a_session_left_too_little_deadline() -> None:
+    # 8 calls, 2 at a time, 50 output tokens each: 4 rounds. Decoding alone at 10 tokens/s
+    # takes 20 s; the sessions admitted lately took 0.2 s per round token (their waits and
+    # their clients' tools included): 40 s.
+    f = fleet(worker(seq_tokens_per_s=10.0, running=2))
+
+    def paced(n: SessionNeed, pace: float | None) -> AdmissionDecision:
+        return decide(
+            n, TENANT, f, holdings(), Pressure.NORMAL, POLICY,
+            max_age_s=MAX_AGE_S, jitter=0.5, session_pace_s=pace,
+        )  # fmt: skip
+
+    assert paced(need(parallel=2, deadline_s=30), None).reason is Reason.ADMITTED
+    late = paced(need(parallel=2, deadline_s=30), 0.2)
+    assert (late.decision, late.reason) == (Decision.REJECT, Reason.DEADLINE_INFEASIBLE)
+    assert late.signals["session_pace_ms"] == 200.0
+    assert paced(need(parallel=2, deadline_s=41), 0.2).reason is Reason.ADMITTED
+    # Never faster than the fleet decodes: a pace below it leaves the fastest speed's bound.
+    assert paced(need(parallel=2, deadline_s=19), 0.01).reason is Reason.DEADLINE_INFEASIBLE
+    # A plain call waits for no tool between turns: its bound is the decode speed alone.
+    call = replace(need(parallel=1, expected_calls=1, deadline_s=6), may_queue=True)
+    assert paced(call, 0.2).reason is Reason.ADMITTED
+    # With no decode speed observed yet, the pace alone bounds a session.
+    idle = fleet(worker(seq_tokens_per_s=None, running=0))
+    unobserved = decide(
+        need(parallel=2, deadline_s=30), TENANT, idle, holdings(), Pressure.NORMAL, POLICY,
+        max_age_s=MAX_AGE_S, jitter=0.5, session_pace_s=0.2,
+    )  # fmt: skip
+    assert unobserved.reason is Reason.DEADLINE_INFEASIBLE
+
+
 def test_with_no_observed_speed_no_deadline_is_rejected_on_a_guess() -> None:
     assert run(need(parallel=1, deadline_s=0.5))[1] is Reason.ADMITTED
     idle = fleet(worker(seq_tokens_per_s=None, running=0))

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from broker.objectives import Objective, ObjectiveWindows, WindowBounds
+from broker.objectives import Objective, ObjectiveWindows, SessionPace, WindowBounds
 from broker.tenants import DEFAULT_TIERS, ObjectiveOverride, Tenancy, Tenant
 from schemas.vocab import Tier
 
@@ -143,3 +143,21 @@ def test_a_tenant_may_set_its_own_objectives_for_a_tier() -> None:
         standard.ttft_ms / 1000, standard.tpot_ms / 1000
     )
     assert tenancy.objective(strict, B) == tenancy.objective(plain, B)
+
+
+def test_the_session_pace_is_a_quantile_of_recent_sessions_per_round_token() -> None:
+    pace = SessionPace(0.9, window_s=60.0, min_sessions=10)
+    # 12 calls, 3 at a time, 20 output tokens each: 4 rounds of 20 = 80 round tokens.
+    for i in range(9):
+        pace.observe(i, 8.0, expected_calls=12, max_parallel=3, est_output_tokens=20)
+    assert pace.refresh(9.0) is None  # too few sessions to say
+    pace.observe(9.0, 80.0, expected_calls=12, max_parallel=3, est_output_tokens=20)  # slow
+    assert pace.refresh(9.0) == pytest.approx(0.1 + 0.1 * 0.9)  # p90 of nine 0.1 and one 1.0
+    assert pace.current == pace.refresh(9.0)
+    # Sessions older than the window no longer count: at 61 s the first has left.
+    assert pace.refresh(59.5) is not None and pace.refresh(61.0) is None
+    # A session with nothing to decode says nothing: it does not make up the count.
+    pace.observe(61.0, 5.0, expected_calls=0, max_parallel=1, est_output_tokens=20)
+    assert pace.refresh(61.0) is None
+    with pytest.raises(ValueError, match="quantile"):
+        SessionPace(0.0)

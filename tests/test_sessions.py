@@ -389,6 +389,34 @@ async def test_a_session_that_does_not_fit_now_is_held_until_room_frees(
     assert (held_s[2] or 0) >= 1.0 and (held_s[3] or 0) >= 1.5
 
 
+async def test_sessions_that_took_long_make_a_session_left_too_little_deadline_a_reject(
+    door: Door,
+) -> None:
+    # One call of 50 output tokens: one round. 20 sessions (the fewest the pace learns from)
+    # each take at least 0.5 s, at least 10 ms per token: a session left 0.3 s cannot finish.
+    one = session_body(max_parallel=1, expected_calls=1, max_wait_s=0)
+    short = {**one, "deadline_s": 0.3}
+    async with door.client() as client:
+        before = await client.post("/v1/sessions", json=short)
+        assert before.status_code == 201, before.text  # nothing learned: no guess
+        await client.delete(f"/v1/sessions/{before.json()['id']}")
+        opened = [await client.post("/v1/sessions", json=one) for _ in range(20)]
+        assert [r.status_code for r in opened] == [201] * 20
+        await asyncio.sleep(0.5)
+        for resp in opened:
+            await client.delete(f"/v1/sessions/{resp.json()['id']}")
+
+        async def ask() -> httpx.Response:
+            return await client.post("/v1/sessions", json=short)
+
+        # The pace is refreshed twice a second off the request path.
+        after = await poll_until(ask, lambda r: r.status_code == 503, timeout_s=10)
+        longer = await client.post("/v1/sessions", json={**one, "deadline_s": 30})
+    assert after.json()["error"]["code"] == "deadline_infeasible"
+    assert after.json()["decision"] == "reject" and "retry-after" not in after.headers
+    assert longer.status_code == 201, longer.text
+
+
 async def window(client: httpx.AsyncClient, tier: str = "standard") -> float:
     text = (await client.get("/metrics")).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
