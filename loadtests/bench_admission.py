@@ -140,16 +140,16 @@ async def front_door(root: Path, redis_url: str, prefix: str) -> AsyncIterator[t
     import nats
 
     from broker.natsserver import EmbeddedNats
+    from broker.procs import Proc, free_port, wait_http
+    from loadtests.heartbeats import idle_heartbeat, put_heartbeat
     from schemas.wire import WORKERS_BUCKET
-    from tests.heartbeats import idle_heartbeat, put_heartbeat
-    from tests.procs import Proc, free_port, wait_http
 
     server = EmbeddedNats(root / "nats", log_file=root / "nats.log").start()
     ledger = root / "ledger.db"
     port = free_port()
     api = Proc(
         "api",
-        [sys.executable, "-m", "broker.cli", "--log-level", "WARNING", "api", "--port", str(port)],
+        [sys.executable, "-m", "kvgate.cli", "--log-level", "WARNING", "api", "--port", str(port)],
         {
             "KVGATE_NATS_URL": server.url,
             "KVGATE_REDIS_URL": redis_url,

@@ -267,7 +267,7 @@ def ensure_model(given: str | None, root: Path) -> Path:
     if given:
         return Path(given)
     model = root / "model"
-    subprocess.run([sys.executable, "-m", "broker.cli", "model", "build", str(model)], check=True)
+    subprocess.run([sys.executable, "-m", "kvgate.cli", "model", "build", str(model)], check=True)
     return model
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.procs import Proc, free_port
+from broker.procs import Proc, free_port
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ class KvgateStack:
             "KVGATE_LOG_FORMAT": "text",
             **extra_env,
         }
-        cli = [sys.executable, "-m", "broker.cli", "--log-level", "WARNING"]
+        cli = [sys.executable, "-m", "kvgate.cli", "--log-level", "WARNING"]
         self.worker = Proc(
             "kvgate-worker",
             [*cli, "worker", "--model", str(engine.model), "--worker-id", "bench"],

@@ -10,8 +10,9 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from broker.natsserver import EmbeddedNats
+from broker.procs import Proc, wait_http
 from tests.otlp import OtlpHttpReceiver, SpanStore
-from tests.procs import KVGATE, Proc, start_api, start_worker, wait_http
+from tests.procs import KVGATE, start_api, start_worker
 
 
 @pytest.fixture

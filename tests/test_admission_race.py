@@ -18,11 +18,12 @@ import nats
 import pytest
 
 from broker.natsserver import EmbeddedNats
+from broker.procs import Proc
 from broker.redis_state import RedisAdmissionState
+from loadtests.heartbeats import idle_heartbeat, put_heartbeat
 from schemas.wire import WORKERS_BUCKET
-from tests.heartbeats import idle_heartbeat, put_heartbeat
 from tests.polling import poll_until
-from tests.procs import Proc, start_api
+from tests.procs import start_api
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 CAPACITY = 20_000

@@ -14,9 +14,10 @@ import httpx
 import pytest
 
 from broker.natsserver import EmbeddedNats
+from broker.procs import Proc
 from broker.tenants import hash_key
 from tests.polling import poll_until
-from tests.procs import Proc, start_api
+from tests.procs import start_api
 from tests.simworker import sim_worker
 from workers.sim_engine import SimEngine, SimEngineConfig
 

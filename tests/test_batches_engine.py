@@ -14,10 +14,11 @@ from typing import Any
 import httpx
 import pytest
 
+from broker.procs import Proc
+from tests.calls import stream_call
 from tests.conftest import Stack
 from tests.polling import poll_until
-from tests.procs import Proc, start_api
-from tests.test_engine_pull import stream_call
+from tests.procs import start_api
 
 MODEL = "kvgate-dev"
 FINAL = {"completed", "failed", "expired", "cancelled"}

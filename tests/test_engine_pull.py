@@ -10,10 +10,10 @@ from typing import Any
 
 import httpx
 
+from tests.calls import MODEL, stream_call
 from tests.conftest import Stack
 from tests.sampler import sample_fleet
 
-MODEL = "kvgate-dev"
 # A generous bound for a 2-core CI machine shared by the engine, the front door, NATS and the
 # test client: what is tested is that guaranteed calls go ahead of the burst (below); the TTFT
 # objective itself is measured in loadtests/bench_worker.py.
@@ -32,33 +32,6 @@ def body(
         "ignore_eos": True,
         **extra,
     }
-
-
-async def stream_call(
-    client: httpx.AsyncClient, payload: dict[str, Any], *, tier: str | None = None
-) -> dict[str, Any]:
-    """Stream one call; returns its TTFT, usage and the error event if any."""
-    headers = {"X-Kvgate-Tier": tier} if tier else {}
-    started = time.monotonic()
-    ttft: float | None = None
-    usage = error = None
-    async with client.stream("POST", "/v1/chat/completions", json=payload, headers=headers) as r:
-        assert r.status_code == 200, await r.aread()
-        buffer = ""
-        async for text in r.aiter_text():
-            buffer += text
-            *lines, buffer = buffer.split("\n")
-            for line in lines:
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    error = chunk["error"]
-                elif chunk.get("usage"):
-                    usage = chunk["usage"]
-                elif ttft is None and chunk["choices"][0]["delta"].get("content"):
-                    ttft = time.monotonic() - started
-    return {"ttft": ttft, "usage": usage, "error": error}
 
 
 async def test_burst_of_three_caches_stays_under_the_high_water_mark(stack: Stack) -> None:
@@ -109,7 +82,7 @@ async def test_a_call_past_its_deadline_is_never_started_by_the_worker(stack: St
     import nats
 
     from schemas.wire import Failed, call_subject, decode_event, encode
-    from tests.test_streams import make_call
+    from tests.calls import make_call
 
     stale = make_call("stale-real", deadline_in_s=-1)
     events: list[object] = []

@@ -20,8 +20,9 @@ import pytest
 from nats.aio.msg import Msg
 
 from broker.natsserver import EmbeddedNats
+from broker.procs import Proc
 from schemas.wire import STREAM_NAME, TokenDelta, decode_event
-from tests.procs import Proc, start_api, start_worker
+from tests.procs import start_api, start_worker
 from tests.sampler import FleetSampler, sample_fleet
 
 ACK_WAIT_S = 3

@@ -17,9 +17,9 @@ from broker.natsserver import EmbeddedNats
 from broker.publisher import CallPublisher
 from broker.settings import StreamSettings
 from broker.streams import provision_calls
+from tests.calls import MODEL, make_call
 from tests.conftest import Stack
 from tests.procs import KVGATE, start_api
-from tests.test_streams import MODEL, make_call
 from workers.sim_engine import SimEngine, SimEngineConfig
 from workers.worker import Worker, WorkerOptions
 

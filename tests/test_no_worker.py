@@ -9,12 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import nats
 import pytest
 
 from broker.natsserver import EmbeddedNats
-from schemas.wire import WORKERS_BUCKET
-from tests.heartbeats import idle_heartbeat, put_heartbeat
+from loadtests.heartbeats import stuck_worker_heartbeat
 from tests.procs import start_api
 
 
@@ -41,16 +39,6 @@ async def test_with_no_worker_a_call_is_deferred_at_once(lonely_api: str, stream
     assert (body["error"]["code"], body["decision"]) == ("no_workers", "defer")
     assert 1 <= body["retry_after"] == int(resp.headers["retry-after"]) <= 60
     assert elapsed < 1.0, elapsed
-
-
-async def stuck_worker_heartbeat(nats_url: str) -> None:
-    """A heartbeat from a worker that will never pull (hung, or cut off from the stream)."""
-    nc = await nats.connect(nats_url)
-    try:
-        kv = await nc.jetstream().key_value(WORKERS_BUCKET)
-        await put_heartbeat(kv, idle_heartbeat("stuck", capacity=2048))
-    finally:
-        await nc.close()
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -12,7 +12,7 @@ from broker.publisher import CallPublisher
 from broker.settings import StreamSettings
 from broker.streams import provision_calls
 from schemas.vocab import Tier
-from tests.test_streams import MODEL, make_call
+from tests.calls import MODEL, make_call
 from workers.puller import TierPuller
 
 

@@ -571,7 +571,7 @@ def redis_down_door(nats_server: EmbeddedNats, tmp_path: Path, tenants_file: Pat
 async def test_with_redis_down_guaranteed_degrades_to_a_local_budget_and_others_wait(
     redis_down_door: str, nats_server: EmbeddedNats
 ) -> None:
-    from tests.test_no_worker import stuck_worker_heartbeat
+    from loadtests.heartbeats import stuck_worker_heartbeat
 
     await stuck_worker_heartbeat(nats_server.url)  # capacity to admit against: 2,048 tokens
     await asyncio.sleep(0.3)
@@ -600,8 +600,8 @@ async def test_with_redis_down_guaranteed_degrades_to_a_local_budget_and_others_
 async def test_a_front_door_records_its_decisions_in_postgresql(
     nats_server: EmbeddedNats, tmp_path: Path, tenants_file: Path
 ) -> None:
+    from loadtests.heartbeats import stuck_worker_heartbeat
     from tests.databases import postgres_database
-    from tests.test_no_worker import stuck_worker_heartbeat
 
     def rows(url: str) -> list[tuple[str, str, str]]:
         with psycopg.connect(url) as conn:

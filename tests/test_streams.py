@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
@@ -16,28 +15,9 @@ from broker.lag import fleet_lag
 from broker.publisher import CallPublisher
 from broker.settings import StreamSettings
 from broker.streams import provision_calls, stream_config, workers_bucket
-from schemas.vocab import TIERS_BY_PRIORITY, Endpoint, Tier
-from schemas.wire import STREAM_NAME, CallEnvelope, Header, consumer_name, model_token
-
-MODEL = "kvgate-dev"
-
-
-def make_call(
-    call_id: str, *, tier: Tier = Tier.STANDARD, deadline_in_s: float = 30, model: str = MODEL
-) -> CallEnvelope:
-    now_ms = int(time.time() * 1000)
-    return CallEnvelope(
-        call_id=call_id,
-        session_id="s1",
-        tier=tier,
-        model=model,
-        endpoint=Endpoint.CHAT_COMPLETIONS,
-        body=json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode(),
-        stream=False,
-        max_tokens=4,
-        deadline_ms=now_ms + int(deadline_in_s * 1000),
-        created_ms=now_ms,
-    )
+from schemas.vocab import TIERS_BY_PRIORITY, Tier
+from schemas.wire import STREAM_NAME, Header, consumer_name, model_token
+from tests.calls import MODEL, make_call
 
 
 async def test_provisioning_is_idempotent_and_matches_the_design(nc: NATS) -> None:

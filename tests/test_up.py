@@ -10,7 +10,8 @@ from pathlib import Path
 
 import openai
 
-from tests.procs import KVGATE, Proc, free_port, wait_http
+from broker.procs import Proc, free_port, wait_http
+from tests.procs import KVGATE
 
 
 def descendants(pid: int) -> set[int]:

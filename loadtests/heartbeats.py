@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 
+import nats
 from nats.js.kv import KeyValue
 
-from schemas.wire import WorkerHeartbeat, encode
+from schemas.wire import WORKERS_BUCKET, WorkerHeartbeat, encode
 
 
 def idle_heartbeat(worker_id: str, capacity: int, max_num_seqs: int = 16) -> WorkerHeartbeat:
@@ -25,3 +26,13 @@ def idle_heartbeat(worker_id: str, capacity: int, max_num_seqs: int = 16) -> Wor
 
 async def put_heartbeat(kv: KeyValue, beat: WorkerHeartbeat) -> None:
     await kv.put(beat.worker_id, encode(beat))
+
+
+async def stuck_worker_heartbeat(nats_url: str) -> None:
+    """A heartbeat from a worker that will never pull (hung, or cut off from the stream)."""
+    nc = await nats.connect(nats_url)
+    try:
+        kv = await nc.jetstream().key_value(WORKERS_BUCKET)
+        await put_heartbeat(kv, idle_heartbeat("stuck", capacity=2048))
+    finally:
+        await nc.close()

@@ -206,7 +206,7 @@ def cmd_key_hash(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from broker.supervisor import Supervisor
+    from kvgate.supervisor import Supervisor
 
     return Supervisor(
         data_dir=Path(args.data_dir),

@@ -61,7 +61,7 @@ class Supervisor:
             nats.start()
             print(f"NATS (JetStream) on {nats.url}", flush=True)
             env = {**os.environ, "KVGATE_NATS_URL": nats.url}
-            cli = [sys.executable, "-m", "broker.cli"]
+            cli = [sys.executable, "-m", "kvgate.cli"]
             self._spawn(
                 "worker",
                 [*cli, "worker", "--model", str(self.model_dir), "--enforce-eager"],

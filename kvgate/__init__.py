@@ -1,0 +1,3 @@
+"""The composition root: the ``kvgate`` command and ``kvgate up``. The one package that may
+import both ``api`` (the front door) and ``workers``; nothing imports it back
+(``tests/test_layers.py`` walks the imports)."""
