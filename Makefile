@@ -23,8 +23,8 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check api broker workers schemas tests loadtests
-	$(VENV)/bin/ruff format --check api broker workers schemas tests loadtests
+	$(VENV)/bin/ruff check kvgate api broker workers schemas tests loadtests
+	$(VENV)/bin/ruff format --check kvgate api broker workers schemas tests loadtests
 
 types: $(STAMP)
 	$(VENV)/bin/mypy

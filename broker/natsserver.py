@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from types import TracebackType
+
+from broker.procs import Proc
 
 
 class NatsServerError(RuntimeError):
@@ -50,7 +50,7 @@ class EmbeddedNats:
         self.requested_port = port
         self.log_file = log_file
         self.port: int | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: Proc | None = None
 
     @property
     def url(self) -> str:
@@ -79,18 +79,14 @@ class EmbeddedNats:
         if self.log_file is not None:
             cmd += ["--log", str(self.log_file)]
         # Output goes to a file, not a pipe: a pipe nobody reads would fill and stall the server.
-        output = self.store_dir / "nats-server.out"
-        with output.open("wb") as sink:
-            self._proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT
-            )
+        # A process group of its own: a terminal's Ctrl-C reaches only the parent (``kvgate
+        # up``), which stops NATS last, after the worker has drained through it.
+        self._proc = Proc("nats-server", cmd, {}, self.store_dir)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                err = output.read_text(errors="replace")[-2000:]
-                raise NatsServerError(
-                    f"nats-server exited at start ({self._proc.returncode}): {err}"
-                )
+            if not self._proc.alive():
+                code, err = self._proc.stop(), self._proc.tail(20)
+                raise NatsServerError(f"nats-server exited at start ({code}): {err}")
             port = self._read_port(ports_dir)
             if port is not None and _jetstream_ready(self.host, port):
                 self.port = port
@@ -112,14 +108,8 @@ class EmbeddedNats:
 
     def stop(self, timeout: float = 10.0) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            proc.stop(timeout)
 
     def wait(self) -> int:
         assert self._proc is not None

@@ -1,6 +1,7 @@
-"""Child processes with a log file each, in a process group of their own inside the caller's
-session, stopped by SIGTERM, a wait, then SIGKILL to whatever is left of the group. Used by the
-tests and the load harness to run kvgate's own processes and vLLM's server."""
+"""Child processes, each in a process group of its own inside the caller's session, stopped by
+SIGTERM, a wait, then SIGKILL to whatever is left of the group. The one supervisor of child
+processes: ``kvgate up`` and the embedded NATS server use it, and so do the tests and the load
+harness (kvgate's own processes, vLLM's server)."""
 
 from __future__ import annotations
 
@@ -23,22 +24,30 @@ def free_port() -> int:
 
 
 class Proc:
-    """A child process whose output goes to a log file, shown when a test needs it.
+    """A child process whose output goes to ``log_dir/<name>.log`` (shown when a test needs
+    it), or to this process's own output with no ``log_dir``. Its input is closed.
 
-    It runs in a process group of its own (so that ``os.killpg`` reaches an engine core it
-    started) but in this process's session: with the kernel's session autogroups on, a child in
-    a session of its own competes for CPU as a group, and on a 2-core machine a busy engine's
-    group was seen to stall the measuring process for ~120 ms at a time."""
+    It runs in a process group of its own: a terminal's Ctrl-C (sent to the foreground group)
+    reaches only the parent, which stops its children in the order it chooses, and
+    ``os.killpg`` reaches what the child started (an engine core). It stays in this process's
+    session: with the kernel's session autogroups on, a child in a session of its own competes
+    for CPU as a group, and on a 2-core machine a busy engine's group was seen to stall the
+    other processes for ~120 ms at a time."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_dir: Path) -> None:
+    def __init__(
+        self, name: str, cmd: list[str], env: dict[str, str], log_dir: Path | None
+    ) -> None:
         self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = self.log_path.open("wb")
+        self.log_path = None if log_dir is None else log_dir / f"{name}.log"
+        self._log = None if self.log_path is None else self.log_path.open("wb")
+        self.killed = False
+        """Whether ``stop`` had to kill it: it did not exit within its grace."""
         self.proc = subprocess.Popen(
             cmd,
             env={**os.environ, **env},
+            stdin=subprocess.DEVNULL,
             stdout=self._log,
-            stderr=subprocess.STDOUT,
+            stderr=None if self._log is None else subprocess.STDOUT,
             process_group=0,
         )
 
@@ -46,10 +55,16 @@ class Proc:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def tail(self, lines: int = 60) -> str:
+        if self.log_path is None:
+            return ""
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
 
@@ -57,19 +72,23 @@ class Proc:
         if self.alive():
             self.proc.send_signal(sig)
 
-    def wait(self, timeout: float) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         return self.proc.wait(timeout)
 
-    def stop(self, timeout: float = 30.0) -> int | None:
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, up to ``timeout`` to exit, then SIGKILL to the whole process group (also
+        whatever the child left behind when it exited: an engine core whose parent died)."""
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            try:
                 self.proc.wait(timeout)
-        # Whatever is left of the process group (an engine core whose parent died) goes too.
+            except subprocess.TimeoutExpired:
+                self.killed = True
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
         return self.proc.returncode
 
 

@@ -8,9 +8,7 @@ calls), then the worker (drains what it holds, then shuts its engine down), then
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -19,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 
 from broker.natsserver import EmbeddedNats
+from broker.procs import Proc
 
 
 class Supervisor:
@@ -38,7 +37,7 @@ class Supervisor:
         self.port = port
         self.nats_port = nats_port
         self.ready_timeout_s = ready_timeout_s
-        self._children: dict[str, subprocess.Popen[bytes]] = {}
+        self._children: dict[str, Proc] = {}
         self._stop_signal: int | None = None
 
     def run(self) -> int:
@@ -60,7 +59,7 @@ class Supervisor:
         try:
             nats.start()
             print(f"NATS (JetStream) on {nats.url}", flush=True)
-            env = {**os.environ, "KVGATE_NATS_URL": nats.url}
+            env = {"KVGATE_NATS_URL": nats.url}
             cli = [sys.executable, "-m", "kvgate.cli"]
             self._spawn(
                 "worker",
@@ -85,16 +84,13 @@ class Supervisor:
         self._stop_signal = signum
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
-        # A process group of its own keeps the terminal's Ctrl-C (sent to the foreground group)
-        # from reaching the child; staying in this session keeps it in the same scheduler
-        # autogroup, so a busy engine competes for CPU with the front door as one process
-        # among others, not as a group (in a session of its own it stalled the other processes
-        # for ~120 ms at a time on a 2-core machine).
-        self._children[name] = subprocess.Popen(cmd, env=env, process_group=0)
+        # Its output is this terminal's; its own process group keeps the terminal's Ctrl-C
+        # from reaching it, so the children stop in the order ``_stop_children`` says.
+        self._children[name] = Proc(name, cmd, env, None)
 
     def _exited(self) -> tuple[str, int] | None:
         for name, proc in self._children.items():
-            if proc.poll() is not None:
+            if proc.returncode is not None:
                 return name, proc.returncode
         return None
 
@@ -129,17 +125,11 @@ class Supervisor:
         return 0
 
     def _stop_children(self) -> None:
-        # Front door first, so nothing new is queued while the worker drains.
+        # Front door first, so nothing new is queued while the worker drains; NATS after both.
         for name, grace in (("api", 15.0), ("worker", 60.0)):
             proc = self._children.pop(name, None)
-            if proc is None or proc.poll() is not None:
+            if proc is None:
                 continue
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                print(
-                    f"kvgate {name} did not stop within {grace:.0f}s; killing it", file=sys.stderr
-                )
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            proc.stop(grace)
+            if proc.killed:
+                print(f"kvgate {name} did not stop within {grace:.0f}s; killed", file=sys.stderr)

@@ -128,6 +128,7 @@ async def test_a_refused_session_span_carries_the_decision_and_reason_and_logs_t
     assert admission.attributes["kvgate.need_tokens"] == 256 * 8000
     assert http.attributes["http.response.status_code"] == 503
 
+    assert stack.api.log_path is not None
     lines = [json.loads(line) for line in stack.api.log_path.read_text().splitlines() if line]
     logged = [line for line in lines if line.get("trace_id") == trace_id]
     assert logged and "exceeds_capacity" in logged[0]["message"]

@@ -60,11 +60,25 @@ def test_up_serves_and_ctrl_c_stops_every_process(tmp_path: Path, dev_model: Pat
             model="kvgate-dev", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
         assert reply.usage is not None and reply.usage.completion_tokens == 4
-        client.close()
 
         started = descendants(up.pid)
         assert len(started) >= 3  # nats-server, worker (+ its engine core), api
-        up.signal(signal.SIGINT)
+        # Ctrl-C in a terminal signals the whole foreground group, here `up`'s own, while a
+        # call streams: the call still ends whole, so NATS outlived the worker's drain.
+        stream = client.chat.completions.create(
+            model="kvgate-dev",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=64,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        next(chunks)  # the call is running
+        os.killpg(up.pid, signal.SIGINT)
+        usage = [chunk.usage for chunk in chunks if chunk.usage is not None]
+        assert [u.completion_tokens for u in usage] == [64]
+        client.close()
         assert up.wait(timeout=90) == 0, up.tail()
         deadline = time.monotonic() + 10
         while any(alive(p) for p in started) and time.monotonic() < deadline:
