@@ -35,7 +35,11 @@ factor on the fleet's KV capacity, moves by additive increase and multiplicative
 Invariants a change must keep: every window stays within ``[floor, ceiling]``; the factor of a
 nested tier group (a tier and all tiers below it, as ``broker.tenants`` shares nest) is the
 smallest window among the tiers it holds and the tiers above them, so a higher tier's
-violation always narrows every group below it. Pure: the clock is an argument.
+violation always narrows every group below it.
+
+``SessionPace`` learns the other thing admission cannot know in advance: how long admitted
+sessions actually take, which check 4 of ``broker.admission`` turns into a prediction against a
+session's deadline. Pure: the clock is an argument.
 """
 
 from __future__ import annotations
