@@ -409,13 +409,12 @@ def decide(
     # The learned pace (seconds per output token of a round, everything a session waits for
     # included) where there is one, never faster than the fastest decode the fleet shows. A
     # plain call waits for no tool: its own speed is its bound.
-    paced = session_pace_s is not None and not need.may_queue
-    if observed or paced:
+    pace_s = None if need.may_queue else session_pace_s
+    if observed or pace_s is not None:
         call_s = need.est_output_tokens / max(observed) if observed else 0.0
-        if paced:
-            assert session_pace_s is not None
-            signals["session_pace_ms"] = round(session_pace_s * 1000, 3)
-            call_s = max(call_s, need.est_output_tokens * session_pace_s)
+        if pace_s is not None:
+            signals["session_pace_ms"] = round(pace_s * 1000, 3)
+            call_s = max(call_s, need.est_output_tokens * pace_s)
         fastest_s = math.ceil(need.expected_calls / widest) * call_s
         signals["fastest_finish_s"] = round(fastest_s, 3)
         budget_s = need.deadline_s / policy.deadline_margin

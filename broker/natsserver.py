@@ -85,8 +85,9 @@ class EmbeddedNats:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self._proc.alive():
-                code, err = self._proc.stop(), self._proc.tail(20)
-                raise NatsServerError(f"nats-server exited at start ({code}): {err}")
+                proc, self._proc = self._proc, None
+                code = proc.stop()
+                raise NatsServerError(f"nats-server exited at start ({code}): {proc.tail(20)}")
             port = self._read_port(ports_dir)
             if port is not None and _jetstream_ready(self.host, port):
                 self.port = port

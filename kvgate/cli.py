@@ -22,6 +22,10 @@ from pathlib import Path
 
 from broker.settings import DEFAULT_NATS_PORT
 
+COMMAND = [sys.executable, "-m", "kvgate.cli"]
+"""This command, run as a child process on this interpreter (``kvgate up``, the tests and the
+load harness start kvgate's processes so)."""
+
 # Services log JSON lines (with trace ids); commands a person reads log text.
 _SERVICES = ("api", "worker", "nats")
 

@@ -18,6 +18,7 @@ from types import FrameType
 
 from broker.natsserver import EmbeddedNats
 from broker.procs import Proc
+from kvgate.cli import COMMAND
 
 
 class Supervisor:
@@ -60,13 +61,14 @@ class Supervisor:
             nats.start()
             print(f"NATS (JetStream) on {nats.url}", flush=True)
             env = {"KVGATE_NATS_URL": nats.url}
-            cli = [sys.executable, "-m", "kvgate.cli"]
             self._spawn(
                 "worker",
-                [*cli, "worker", "--model", str(self.model_dir), "--enforce-eager"],
+                [*COMMAND, "worker", "--model", str(self.model_dir), "--enforce-eager"],
                 env,
             )
-            self._spawn("api", [*cli, "api", "--host", self.host, "--port", str(self.port)], env)
+            self._spawn(
+                "api", [*COMMAND, "api", "--host", self.host, "--port", str(self.port)], env
+            )
             code = self._wait_ready()
             if code is None:
                 url = f"http://{self.host}:{self.port}"

@@ -49,6 +49,7 @@ from broker.admission import (
     decide,
 )
 from broker.tenants import DEFAULT_TIERS, Tenant
+from kvgate.cli import COMMAND
 from schemas.vocab import Tier
 
 
@@ -149,7 +150,7 @@ async def front_door(root: Path, redis_url: str, prefix: str) -> AsyncIterator[t
     port = free_port()
     api = Proc(
         "api",
-        [sys.executable, "-m", "kvgate.cli", "--log-level", "WARNING", "api", "--port", str(port)],
+        [*COMMAND, "--log-level", "WARNING", "api", "--port", str(port)],
         {
             "KVGATE_NATS_URL": server.url,
             "KVGATE_REDIS_URL": redis_url,

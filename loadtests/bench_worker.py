@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from kvgate.cli import COMMAND
 from loadtests.targets import EngineConfig, KvgateStack
 
 T = TypeVar("T")
@@ -267,7 +268,7 @@ def ensure_model(given: str | None, root: Path) -> Path:
     if given:
         return Path(given)
     model = root / "model"
-    subprocess.run([sys.executable, "-m", "kvgate.cli", "model", "build", str(model)], check=True)
+    subprocess.run([*COMMAND, "model", "build", str(model)], check=True)
     return model
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 
 from broker.procs import Proc, free_port
+from kvgate.cli import COMMAND
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ class KvgateStack:
             "KVGATE_LOG_FORMAT": "text",
             **extra_env,
         }
-        cli = [sys.executable, "-m", "kvgate.cli", "--log-level", "WARNING"]
+        cli = [*COMMAND, "--log-level", "WARNING"]
         self.worker = Proc(
             "kvgate-worker",
             [*cli, "worker", "--model", str(engine.model), "--worker-id", "bench"],

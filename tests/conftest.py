@@ -11,8 +11,9 @@ from nats.aio.client import Client as NATS
 
 from broker.natsserver import EmbeddedNats
 from broker.procs import Proc, wait_http
+from kvgate.cli import COMMAND
 from tests.otlp import OtlpHttpReceiver, SpanStore
-from tests.procs import KVGATE, start_api, start_worker
+from tests.procs import start_api, start_worker
 
 
 @pytest.fixture
@@ -35,7 +36,7 @@ async def nc(nats_server: EmbeddedNats) -> AsyncIterator[NATS]:
 def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The development model, built once per test session through the CLI."""
     directory = tmp_path_factory.mktemp("model") / "kvgate-dev"
-    subprocess.run([*KVGATE, "model", "build", str(directory)], check=True, capture_output=True)
+    subprocess.run([*COMMAND, "model", "build", str(directory)], check=True, capture_output=True)
     return directory
 
 

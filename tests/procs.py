@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from broker.procs import Proc, free_port, wait_http
-
-KVGATE = [sys.executable, "-m", "kvgate.cli"]
+from kvgate.cli import COMMAND
 
 
 def start_api(nats_url: str, log_dir: Path, **env: str) -> tuple[Proc, str]:
     port = free_port()
     proc = Proc(
         f"api-{port}",
-        [*KVGATE, "api", "--port", str(port)],
+        [*COMMAND, "api", "--port", str(port)],
         {
             "KVGATE_NATS_URL": nats_url,
             # A ledger of its own, so that front doors of different tests never share a file.
@@ -31,7 +29,7 @@ def start_api(nats_url: str, log_dir: Path, **env: str) -> tuple[Proc, str]:
 def start_worker(nats_url: str, model: Path, log_dir: Path, name: str, **env: str) -> Proc:
     return Proc(
         f"worker-{name}",
-        [*KVGATE, "worker", "--model", str(model), "--worker-id", name],
+        [*COMMAND, "worker", "--model", str(model), "--worker-id", name],
         {"KVGATE_NATS_URL": nats_url, **WORKER_ENV, **env},
         log_dir,
     )

@@ -124,7 +124,9 @@ async def test_replicas_sharing_redis_never_over_admit_and_release_a_dead_replic
 
             assert {s for s, _, _ in results} <= {201, 503}
             assert refused and admitted  # the fleet was driven past full
-            assert {b["error"]["code"] for b in refused} <= {"tier_capacity", "fleet_saturated"}
+            codes = {b["error"]["code"] for b in refused}
+            # The replicas' logs say why if Redis failed one of them (seen once, not explained).
+            assert codes <= {"tier_capacity", "fleet_saturated"}, [p.tail(20) for p, _ in replicas]
             assert all(1 <= b["retry_after"] <= 60 for b in refused)
             assert reserved_from_answers == reserved_in_redis
             assert reserved_in_redis <= CAPACITY and peak_reserved <= CAPACITY

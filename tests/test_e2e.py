@@ -347,17 +347,17 @@ async def test_a_caller_gone_before_its_body_was_read_is_no_server_error(stack: 
 def test_kvgate_workers_lists_the_live_worker(stack: Stack) -> None:
     import subprocess
 
-    from tests.procs import KVGATE
+    from kvgate.cli import COMMAND
 
     table = subprocess.run(
-        [*KVGATE, "workers", "--nats-url", stack.nats.url],
+        [*COMMAND, "workers", "--nats-url", stack.nats.url],
         check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
     header, row = table.strip().splitlines()
     assert header.split()[:3] == ["WORKER", "MODEL", "KV"]
     assert row.split()[:2] == ["w1", MODEL]
     listed = subprocess.run(
-        [*KVGATE, "workers", "--nats-url", stack.nats.url, "--json"],
+        [*COMMAND, "workers", "--nats-url", stack.nats.url, "--json"],
         check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
     (worker,) = json.loads(listed)

@@ -17,9 +17,10 @@ from broker.natsserver import EmbeddedNats
 from broker.publisher import CallPublisher
 from broker.settings import StreamSettings
 from broker.streams import provision_calls
+from kvgate.cli import COMMAND
 from tests.calls import MODEL, make_call
 from tests.conftest import Stack
-from tests.procs import KVGATE, start_api
+from tests.procs import start_api
 from workers.sim_engine import SimEngine, SimEngineConfig
 from workers.worker import Worker, WorkerOptions
 
@@ -37,7 +38,7 @@ def admin_api(nats_server: EmbeddedNats, tmp_path: Path) -> Iterator[str]:
 
 def kvgate_lag(url: str, *args: str) -> str:
     return subprocess.run(
-        [*KVGATE, "lag", "--nats-url", url, *args], check=True, capture_output=True, text=True
+        [*COMMAND, "lag", "--nats-url", url, *args], check=True, capture_output=True, text=True
     ).stdout
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from broker.tenants import DEV_TENANT_ID, Tenancy, hash_key, load_tenancy
+from kvgate.cli import COMMAND
 from schemas.vocab import Tier
-from tests.procs import KVGATE
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -78,6 +78,6 @@ def test_without_a_file_every_caller_is_the_development_tenant(
 
 def test_kvgate_key_hash_prints_the_sha256() -> None:
     out = subprocess.run(
-        [*KVGATE, "key", "hash"], input="s3cret\n", capture_output=True, text=True, check=True
+        [*COMMAND, "key", "hash"], input="s3cret\n", capture_output=True, text=True, check=True
     ).stdout.strip()
     assert out == hash_key("s3cret") and len(out) == 64

@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 
 from broker.procs import Proc, free_port, wait_http
-from tests.procs import KVGATE
+from kvgate.cli import COMMAND
 
 
 def descendants(pid: int) -> set[int]:
@@ -48,7 +48,7 @@ def test_up_serves_and_ctrl_c_stops_every_process(tmp_path: Path, dev_model: Pat
     port = free_port()
     up = Proc(
         "up",
-        [*KVGATE, "up", "--data-dir", str(tmp_path / "data"), "--model", str(dev_model),
+        [*COMMAND, "up", "--data-dir", str(tmp_path / "data"), "--model", str(dev_model),
          "--port", str(port)],
         {},
         tmp_path,
@@ -93,6 +93,6 @@ def test_up_serves_and_ctrl_c_stops_every_process(tmp_path: Path, dev_model: Pat
 
 def test_model_build_is_deterministic(tmp_path: Path, dev_model: Path) -> None:
     again = tmp_path / "again"
-    subprocess.run([*KVGATE, "model", "build", str(again)], check=True, capture_output=True)
+    subprocess.run([*COMMAND, "model", "build", str(again)], check=True, capture_output=True)
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (again / name).read_bytes() == (dev_model / name).read_bytes(), name
