@@ -12,7 +12,6 @@ import nats
 from fastapi import FastAPI
 from sqlalchemy.engine import make_url
 
-from api.admission import Admitter
 from api.batch_runner import BatchRunner
 from api.errors import install_error_handlers
 from api.metrics import FrontDoorMetrics
@@ -20,15 +19,18 @@ from api.replies import ReplyRouter
 from api.routes import admin, batches, chat, files, health, models, sessions
 from api.state import FrontDoor
 from api.tracing import RequestSpanMiddleware
-from broker.admission_state import AdmissionState, MemoryAdmissionState
+from broker.admission.admitter import Admitter
+from broker.admission.leases import SessionLeases
+from broker.admission.redis_store import RedisAdmissionState
+from broker.admission.signals import FleetSignals
+from broker.admission.state import AdmissionState, MemoryAdmissionState
+from broker.admission.tenants import load_tenancy
 from broker.fleet import FleetView, FleetWatcher
 from broker.ledger import Ledger, engine_url, make_engine
 from broker.publisher import CallPublisher
-from broker.redis_state import RedisAdmissionState
 from broker.settings import ApiSettings
 from broker.streams import provision_calls, provision_results, workers_bucket
 from broker.telemetry import tracing_wanted
-from broker.tenants import load_tenancy
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +51,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             await watcher.start()
             replies = ReplyRouter(nc)
             await replies.start()
-            metrics = FrontDoorMetrics(fleet)
-            metrics.start(js)
+            signals = FleetSignals(fleet)
+            signals.start(js)
+            metrics = FrontDoorMetrics(signals)
             ledger = Ledger(settings.database_url, max_queue=settings.ledger_queue)
             await ledger.start()
             metrics.watch_ledger(ledger)
@@ -59,8 +62,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 settings,
                 tenancy,
                 state,
-                fleet,
-                metrics,
+                signals,
+                metrics.admission,
                 ledger,
                 shared=settings.redis_url is not None,
             )
@@ -79,8 +82,10 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 replies=replies,
                 fleet=fleet,
                 fleet_watcher=watcher,
+                signals=signals,
                 metrics=metrics,
                 admitter=admitter,
+                leases=SessionLeases(admitter),
                 batch_engine=batch_engine,
                 batch_runner=runner,
                 started_s=int(time.time()),
@@ -101,7 +106,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             await admitter.stop()
             await state.close()
             await ledger.stop()
-            await metrics.stop()
+            await signals.stop()
             await replies.stop()
             await watcher.stop()
         finally:

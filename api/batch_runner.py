@@ -35,10 +35,10 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from sqlalchemy.engine import Engine
 
-from api.admission import Admitter
 from api.chat_request import parse_chat_request, to_envelope
 from broker import batches as store
-from broker.admission import SessionNeed
+from broker.admission import needs
+from broker.admission.admitter import Admitter
 from broker.batches import BatchRow, BatchStatus, LineRow, LineStatus
 from broker.errors import KvgateError, Refused, RetryableError
 from broker.ledger import utcnow
@@ -222,17 +222,8 @@ class BatchRunner:
         left_s = (batch.expires_at - now).total_seconds()
         # Sized from the calls as they will be published (open lines were validated on submit).
         calls = [self._envelope(batch, line, "") for line in lines if not line.terminal]
-        widest = widest_group(lines)
-        need = SessionNeed(
-            tier=Tier(batch.tier),
-            max_parallel=widest,
-            expected_calls=len(lines),
-            est_prompt_tokens=max(call.est_prompt_tokens for call in calls),
-            est_output_tokens=max(call.max_tokens for call in calls),
-            deadline_s=max(1.0, left_s),
-            # The runner publishes a parallel group at once, outside any call slot: a lease
-            # shaped to fewer calls would not be honoured, so it is not shaped.
-            min_parallel=widest,
+        need = needs.for_batch(
+            Tier(batch.tier), calls, lines=len(lines), widest=widest_group(lines), left_s=left_s
         )
         try:
             admitted = await self.admitter.admit(

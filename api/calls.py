@@ -20,8 +20,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from api.replies import ReplyEvent
 from api.state import FrontDoor
+from broker.admission.objectives import Objective
 from broker.errors import DeadlineExceeded, KvgateError
-from broker.objectives import Objective
 from broker.telemetry import inject_headers, tracer
 from schemas.vocab import ErrorCode
 from schemas.wire import (

@@ -12,9 +12,9 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from api.state import FrontDoor
+from broker.admission.tenants import Tenant
 from broker.errors import KvgateError
 from broker.settings import ApiSettings
-from broker.tenants import Tenant
 from schemas.vocab import ErrorCode
 
 

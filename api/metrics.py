@@ -1,40 +1,34 @@
 """Prometheus metrics of one front door, in a registry of its own (one per app instance).
 
-Call metrics are observed where a call's events are followed (``api.calls``); queue lag and
-worker readings are gauges refreshed in the background and read at scrape time, so a scrape
-never waits on NATS.
+Call metrics are observed where a call's events are followed (``api.calls``), admission's where
+it decides (``broker.admission.metrics``); queue lag and worker readings are read at scrape time
+from what admission's ``FleetSignals`` keeps current in the background, so a scrape never waits
+on NATS.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 import time
 from collections.abc import Iterator
 
-from nats.js import JetStreamContext
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from broker.fleet import FleetView
-from broker.lag import TierLag, fleet_lag
+from broker.admission.metrics import AdmissionMetrics
+from broker.admission.signals import FleetSignals
 from broker.ledger import Ledger
-
-log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
 
 
 class _FleetCollector(Collector):
-    def __init__(self, fleet: FleetView, metrics: FrontDoorMetrics) -> None:
-        self._fleet = fleet
-        self._metrics = metrics
+    def __init__(self, signals: FleetSignals) -> None:
+        self._signals = signals
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        live = self._fleet.live(int(time.time() * 1000))
+        live = self._signals.fleet.live(int(time.time() * 1000))
         workers = GaugeMetricFamily("kvgate_workers_live", "Workers with a fresh heartbeat")
         workers.add_metric([], len(live))
         yield workers
@@ -64,7 +58,7 @@ class _FleetCollector(Collector):
             "Age of the oldest undelivered call (0 when none)",
             labels=["tier"],
         )
-        for row in self._metrics.lag:
+        for row in self._signals.lag:
             pending.add_metric([row.tier.value], row.pending)
             ack_pending.add_metric([row.tier.value], row.ack_pending)
             oldest.add_metric([row.tier.value], row.oldest_pending_age_s or 0.0)
@@ -88,7 +82,7 @@ class _LedgerCollector(Collector):
 
 
 class FrontDoorMetrics:
-    def __init__(self, fleet: FleetView) -> None:
+    def __init__(self, signals: FleetSignals) -> None:
         self.registry = CollectorRegistry()
         self.calls = Counter(
             "kvgate_calls",
@@ -130,45 +124,7 @@ class FrontDoorMetrics:
             ["tier"],
             registry=self.registry,
         )
-        self.admissions = Counter(
-            "kvgate_admission_decisions",
-            "Admission decisions, by tier, decision and reason",
-            ["tier", "decision", "reason"],
-            registry=self.registry,
-        )
-        self.admission_latency = Histogram(
-            "kvgate_admission_latency_seconds",
-            "Time to decide (signals, policy, reservation), by scope (session or call)",
-            ["scope"],
-            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
-            registry=self.registry,
-        )
-        self.admission_held = Histogram(
-            "kvgate_admission_held_seconds",
-            "How long a session was held for room before its answer (0 when it was answered "
-            "at once), by tier and decision",
-            ["tier", "decision"],
-            buckets=(0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0),
-            registry=self.registry,
-        )
-        self.pressure = Gauge(
-            "kvgate_admission_pressure",
-            "Admission pressure state: 0 normal, 1 elevated, 2 saturated",
-            registry=self.registry,
-        )
-        self.overcommit = Gauge(
-            "kvgate_admission_overcommit",
-            "Learned KV over-commit factor of the whole fleet: reservations may add up to this "
-            "times capacity",
-            registry=self.registry,
-        )
-        self.window = Gauge(
-            "kvgate_admission_window",
-            "Each tier's learned over-commit window (grows while its admitted calls meet their "
-            "objectives, shrinks when they do not)",
-            ["tier"],
-            registry=self.registry,
-        )
+        self.admission = AdmissionMetrics(self.registry)
         self.objective_met = Counter(
             "kvgate_calls_judged",
             "Ended calls of admitted sessions judged against their objectives, by tier and "
@@ -176,28 +132,7 @@ class FrontDoorMetrics:
             ["tier", "met"],
             registry=self.registry,
         )
-        self.lag: list[TierLag] = []
-        self.lag_read_s = 0.0
-        self.registry.register(_FleetCollector(fleet, self))
-        self._task: asyncio.Task[None] | None = None
+        self.registry.register(_FleetCollector(signals))
 
     def watch_ledger(self, ledger: Ledger) -> None:
         self.registry.register(_LedgerCollector(ledger))
-
-    def start(self, js: JetStreamContext, interval_s: float = 2.0) -> None:
-        self._task = asyncio.create_task(self._refresh(js, interval_s))
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _refresh(self, js: JetStreamContext, interval_s: float) -> None:
-        while True:
-            try:
-                self.lag = await fleet_lag(js)
-                self.lag_read_s = time.time()
-            except Exception as exc:  # stale lag is better than no metrics at all
-                log.warning("could not read consumer lag: %s", exc)
-            await asyncio.sleep(interval_s)

@@ -10,11 +10,13 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from sqlalchemy.engine import Engine
 
-from api.admission import Admitter
 from api.batch_runner import BatchRunner
 from api.chat_request import check_known_model
 from api.metrics import FrontDoorMetrics
 from api.replies import ReplyRouter
+from broker.admission.admitter import Admitter
+from broker.admission.leases import SessionLeases
+from broker.admission.signals import FleetSignals
 from broker.errors import Refused
 from broker.fleet import FleetView, FleetWatcher
 from broker.publisher import CallPublisher
@@ -33,8 +35,10 @@ class FrontDoor:
     replies: ReplyRouter
     fleet: FleetView
     fleet_watcher: FleetWatcher
+    signals: FleetSignals
     metrics: FrontDoorMetrics
     admitter: Admitter
+    leases: SessionLeases
     batch_engine: Engine
     batch_runner: BatchRunner
     started_s: int

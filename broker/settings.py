@@ -72,7 +72,7 @@ class ApiSettings(BaseSettings):
     replica_id: str | None = None
     # Reservations may add up to this many times the fleet's KV capacity: above 1, admitted
     # sessions accept waiting in JetStream for their turn at the cache. It is the floor of the
-    # learned factor per tier group (broker/objectives.py), which rises towards
+    # learned factor per tier group (broker/admission/objectives.py), which rises towards
     # `admission_kv_overcommit_max` while admitted calls meet their tiers' objectives and falls
     # when they do not; set both equal to turn learning off.
     admission_kv_overcommit: float = Field(default=1.0, gt=0, le=100)
@@ -90,8 +90,8 @@ class ApiSettings(BaseSettings):
     admission_deadline_margin: float = Field(default=1.0, ge=1, le=100)
     # Check 4 also predicts a session's duration from how long the sessions this replica admitted
     # recently took (seconds per declared output token of each round of calls, this quantile of
-    # them; broker/objectives.SessionPace), so that one admitted with too little of its deadline
-    # left is rejected rather than run to a miss. 0 turns it off.
+    # them; broker/admission/objectives.SessionPace), so that one admitted with too little of its
+    # deadline left is rejected rather than run to a miss. 0 turns it off.
     admission_pace_quantile: float = Field(default=0.9, ge=0, le=1)
     # Redis down: these tiers are admitted against a local budget of `degraded_share` of the
     # fleet (set it to 1/replicas so replicas together cannot over-admit); others are refused.

@@ -199,7 +199,7 @@ def cmd_key_hash(args: argparse.Namespace) -> int:
     stdin when not given, so that it stays out of shell history)."""
     import sys
 
-    from broker.tenants import hash_key
+    from broker.admission.tenants import hash_key
 
     key = args.key if args.key is not None else sys.stdin.readline().strip()
     if not key:

@@ -39,7 +39,7 @@ from typing import Any
 
 import aiohttp
 
-from broker.admission import (
+from broker.admission.policy import (
     AdmissionPolicy,
     FleetSnapshot,
     Holdings,
@@ -48,7 +48,7 @@ from broker.admission import (
     WorkerReading,
     decide,
 )
-from broker.tenants import DEFAULT_TIERS, Tenant
+from broker.admission.tenants import DEFAULT_TIERS, Tenant
 from kvgate.cli import COMMAND
 from schemas.vocab import Tier
 
@@ -274,7 +274,7 @@ def server_side(ledger: Path, since_id: int) -> tuple[dict[str, Any], int]:
 
 async def bench_http(args: argparse.Namespace) -> dict[str, Any]:
     prefix = f"{{kvgate-bench-{uuid.uuid4().hex[:8]}}}"
-    from broker.redis_state import RedisAdmissionState
+    from broker.admission.redis_store import RedisAdmissionState
 
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
         async with front_door(Path(tmp), args.redis_url, prefix) as (base, ledger):

@@ -5,7 +5,7 @@ Definitions (the report repeats them):
 - A call **met its objectives** when it completed, its TTFT was within its tier's TTFT
   objective and its TPOT within its tier's TPOT objective (a one-token answer has no TPOT and
   meets it). The objectives are the ones kvgate is configured with (``Objectives``); kvgate's
-  own judgement of a call (``broker.objectives.Objective.met``) decides it.
+  own judgement of a call (``broker.admission.objectives.Objective.met``) decides it.
 - A session is **good** when every one of its calls met its objectives and it ended before its
   deadline. A session refused by admission, or given up, is not good: refused work counts in
   every denominator as offered and not served.
@@ -27,8 +27,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from broker.objectives import Objective
-from broker.tenants import Tenancy
+from broker.admission.objectives import Objective
+from broker.admission.tenants import Tenancy
 from loadtests.agent import CallOutcome, CallStatus, SessionOutcome
 from schemas.vocab import Tier
 

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import aiohttp
 from tqdm import tqdm
 
-from broker.tenants import Tenancy, hash_key
+from broker.admission.tenants import Tenancy, hash_key
 from loadtests import report
 from loadtests.agent import Agent, Mode, SessionOutcome, Target
 from loadtests.capacity import CapacitySearch

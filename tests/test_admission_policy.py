@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from broker.admission import (
+from broker.admission.policy import (
     AdmissionDecision,
     AdmissionPolicy,
     FleetSnapshot,
@@ -21,7 +21,7 @@ from broker.admission import (
     fleet_has_room,
     fleet_load,
 )
-from broker.tenants import DEFAULT_TIERS, Tenant
+from broker.admission.tenants import DEFAULT_TIERS, Tenant
 from schemas.vocab import Decision, Reason, Tier
 
 POLICY = AdmissionPolicy(tiers=DEFAULT_TIERS)
@@ -500,7 +500,7 @@ def test_every_refusal_reason_is_an_error_code_with_an_http_status() -> None:
 
 
 def test_recent_admissions_count_the_tokens_a_reading_cannot_show_yet() -> None:
-    from api.admission import RecentAdmissions
+    from broker.admission.admitter import RecentAdmissions
 
     recent = RecentAdmissions()
     recent.add("a", 1_000, 300)

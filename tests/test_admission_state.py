@@ -10,7 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from broker.admission_state import (
+from broker.admission.redis_store import RedisAdmissionState
+from broker.admission.state import (
     AdmissionState,
     MemoryAdmissionState,
     ReserveRequest,
@@ -19,7 +20,6 @@ from broker.admission_state import (
     TenantLimits,
 )
 from broker.errors import AdmissionUnavailable
-from broker.redis_state import RedisAdmissionState
 from schemas.vocab import Reason, SessionState, Tier
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -266,3 +266,12 @@ async def test_touch_keeps_an_active_session_from_idling_out(store: AdmissionSta
     await store.touch("s", T0 + 30_001)  # an ended session stays ended
     ended = await store.get("s", T0 + 30_002)
     assert ended is not None and ended.state is SessionState.EXPIRED
+
+
+def test_the_redis_script_declares_no_tier_of_its_own() -> None:
+    """The tiers reach the Lua script as an argument on every call (``schemas.vocab`` is the
+    one place they are declared): a tier named in the script would drift from the vocabulary."""
+    from importlib import resources
+
+    lua = (resources.files("broker.admission") / "store.lua").read_text(encoding="utf-8")
+    assert [tier.value for tier in Tier if f"'{tier.value}'" in lua] == []

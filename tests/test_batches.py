@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
+from broker.admission.tenants import hash_key
 from broker.natsserver import EmbeddedNats
 from broker.procs import Proc
-from broker.tenants import hash_key
 from tests.polling import poll_until
 from tests.procs import start_api
 from tests.simworker import sim_worker

@@ -15,8 +15,8 @@ from typing import Any
 import openai
 import pytest
 
+from broker.admission.tenants import hash_key
 from broker.natsserver import EmbeddedNats
-from broker.tenants import hash_key
 from tests.procs import start_api
 from tests.simworker import sim_worker
 from workers.sim_engine import SimEngine, SimEngineConfig

@@ -17,8 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RANK = {"schemas": 0, "broker": 1, "api": 2, "workers": 2, "kvgate": 3, "loadtests": 4, "tests": 5}
 PURE_CORES = (
-    "broker/admission.py",
-    "broker/objectives.py",
+    "broker/admission/policy.py",
+    "broker/admission/objectives.py",
     "workers/headroom.py",
     "workers/pullplan.py",
 )

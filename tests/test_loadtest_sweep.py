@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from broker.tenants import Tenancy
+from broker.admission.tenants import Tenancy
 from loadtests.workload import load_jsonl
 from schemas.vocab import Tier
 

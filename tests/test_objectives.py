@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from broker.objectives import Objective, ObjectiveWindows, SessionPace, WindowBounds
-from broker.tenants import DEFAULT_TIERS, ObjectiveOverride, Tenancy, Tenant
+from broker.admission.objectives import Objective, ObjectiveWindows, SessionPace, WindowBounds
+from broker.admission.tenants import DEFAULT_TIERS, ObjectiveOverride, Tenancy, Tenant
 from schemas.vocab import Tier
 
 G, S, B = Tier.GUARANTEED, Tier.STANDARD, Tier.BESTEFFORT

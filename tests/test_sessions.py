@@ -17,8 +17,8 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from broker.admission.tenants import hash_key
 from broker.natsserver import EmbeddedNats
-from broker.tenants import hash_key
 from tests.polling import poll_until
 from tests.procs import start_api
 from tests.simworker import sim_worker

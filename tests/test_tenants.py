@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.tenants import DEV_TENANT_ID, Tenancy, hash_key, load_tenancy
+from broker.admission.tenants import DEV_TENANT_ID, Tenancy, hash_key, load_tenancy
 from kvgate.cli import COMMAND
 from schemas.vocab import Tier
 

@@ -20,7 +20,7 @@ from api.batch_request import (
 )
 from api.chat_request import parse_json_object, read_body
 from api.deps import FrontDoorDep, TenantDep
-from api.routes.sessions import IDEMPOTENCY_HEADER, check_tier
+from api.routes.sessions import IDEMPOTENCY_HEADER
 from broker import batches as store
 from broker import files
 from broker.batches import (
@@ -67,7 +67,7 @@ async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) 
     else:
         submission = parse_submission(request, raw, settings, door.known_models(), obj)
     tier = submission.tier or Tier.BESTEFFORT
-    check_tier(tier, tenant)
+    tenant.require_tier(tier)
     valid = [line for line in submission.lines if line.error is None]
     if not valid:
         raise InvalidRequest(

@@ -20,7 +20,6 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from api.admission import session_need_for_call
 from api.calls import Restarted, failure_error, follow_call
 from api.chat_request import (
     SESSION_HEADER,
@@ -37,12 +36,12 @@ from api.chat_request import (
 from api.deps import FrontDoorDep, TenantDep
 from api.errors import anthropic_error_body, error_body
 from api.replies import ReplyEvent
-from api.routes.sessions import check_tier
 from api.state import FrontDoor
-from broker.admission_state import SessionRecord
+from broker.admission import needs
+from broker.admission.objectives import Objective
+from broker.admission.state import SessionRecord
+from broker.admission.tenants import Tenant
 from broker.errors import InvalidRequest, KvgateError
-from broker.objectives import Objective
-from broker.tenants import Tenant
 from schemas.openai import ChatCompletionRequest, CompletionRequest, MessagesRequest
 from schemas.vocab import Endpoint, ErrorCode
 from schemas.wire import CallEnvelope, Done, Failed, TokenDelta
@@ -101,7 +100,7 @@ async def _serve_call(
     timeout_s = call_timeout_s(request, settings)
     session_id = request.headers.get(SESSION_HEADER)
     if session_id is not None:
-        record = await door.admitter.get(tenant, session_id.strip())
+        record = await door.leases.get(tenant, session_id.strip())
         named = request.headers.get(TIER_HEADER)
         if named is not None and call_tier(request, settings) is not record.tier:
             raise InvalidRequest(
@@ -123,12 +122,10 @@ async def _serve_call(
         one_call = False
     else:
         tier = call_tier(request, settings, ceiling=tenant.max_tier)
-        check_tier(tier, tenant)
+        tenant.require_tier(tier)
         door.check_model(parsed.model)
         call = to_envelope(parsed, body, settings, tier=tier, timeout_s=timeout_s)
-        need = session_need_for_call(
-            tier, call.est_prompt_tokens, call.max_tokens * parsed.n, timeout_s
-        )
+        need = needs.for_call(tier, call.est_prompt_tokens, call.max_tokens * parsed.n, timeout_s)
         admitted = await door.admitter.admit(tenant, need, scope="call", idle_timeout_s=timeout_s)
         record = admitted.record
         call = msgspec.structs.replace(
@@ -173,14 +170,14 @@ async def _admitted_call(
     """The call's events, run inside one of its session's call slots; a one-call session
     ends with its call."""
     try:
-        async with door.admitter.call_slot(record, call.call_id, call.deadline_ms):
+        async with door.leases.call_slot(record, call.call_id, call.deadline_ms):
             events = follow_call(door, call, objective)
             async with contextlib.aclosing(events):
                 async for item in events:
                     yield item
     finally:
         if one_call:
-            await door.admitter.end_one_call_session(record)
+            await door.leases.end_one_call_session(record)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

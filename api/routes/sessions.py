@@ -8,13 +8,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from api.admission import Admitter
 from api.chat_request import parse_json_object, read_body
 from api.deps import FrontDoorDep, TenantDep
-from broker.admission import SessionNeed
-from broker.admission_state import SessionRecord
-from broker.errors import InvalidRequest, KvgateError
-from broker.tenants import Tenant
+from broker.admission import needs
+from broker.admission.state import SessionRecord
+from broker.errors import InvalidRequest
 from schemas.sessions import SessionAdmission, SessionCreate, SessionLease, SessionOut
 from schemas.vocab import Decision, ErrorCode, Reason, Tier
 
@@ -36,7 +34,7 @@ _BODY_SCHEMA = {
 async def create_session(request: Request, door: FrontDoorDep, tenant: TenantDep) -> JSONResponse:
     settings = door.settings
     body = parse_session_create(await read_body(request, settings.max_body_bytes))
-    need = session_need(body, tenant, door.admitter)
+    need = needs.for_session(body, tenant, door.admitter.tenancy, settings)
     max_wait_s = body.max_wait_s
     if max_wait_s is None:
         max_wait_s = settings.admission_max_wait_s
@@ -72,13 +70,13 @@ async def create_session(request: Request, door: FrontDoorDep, tenant: TenantDep
 
 @router.get("/{session_id}")
 async def get_session(session_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
-    record = await door.admitter.get(tenant, session_id)
+    record = await door.leases.get(tenant, session_id)
     return session_out(record).model_dump(mode="json")
 
 
 @router.delete("/{session_id}")
 async def close_session(session_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
-    record = await door.admitter.close(tenant, session_id)
+    record = await door.leases.close(tenant, session_id)
     return session_out(record).model_dump(mode="json")
 
 
@@ -94,56 +92,6 @@ def parse_session_create(raw_body: bytes) -> SessionCreate:
         field = ".".join(str(p) for p in first["loc"]) or None
         code = ErrorCode.INVALID_TIER if field == "tier" else ErrorCode.INVALID_PARAMETER
         raise InvalidRequest(code, f"{field or 'body'}: {first['msg']}", param=field) from None
-
-
-def session_need(body: SessionCreate, tenant: Tenant, admitter: Admitter) -> SessionNeed:
-    settings = admitter.settings
-    check_tier(body.tier, tenant)
-    if body.max_parallel > settings.session_max_parallel:
-        raise InvalidRequest(
-            ErrorCode.INVALID_PARAMETER,
-            f"max_parallel must be at most {settings.session_max_parallel}",
-            param="max_parallel",
-        )
-    if body.min_parallel is not None and body.min_parallel > body.max_parallel:
-        raise InvalidRequest(
-            ErrorCode.INVALID_PARAMETER,
-            f"min_parallel ({body.min_parallel}) must not exceed max_parallel "
-            f"({body.max_parallel})",
-            param="min_parallel",
-        )
-    deadline_s = body.deadline_s or admitter.tenancy.tiers[body.tier].default_deadline_s
-    if deadline_s > settings.max_deadline_s:
-        raise InvalidRequest(
-            ErrorCode.INVALID_PARAMETER,
-            f"deadline_s must be at most {settings.max_deadline_s:g}",
-            param="deadline_s",
-        )
-    output = body.est_output_tokens or settings.session_default_output_tokens
-    if output > settings.max_tokens_limit:
-        raise InvalidRequest(
-            ErrorCode.INVALID_PARAMETER,
-            f"est_output_tokens must be at most {settings.max_tokens_limit}",
-            param="est_output_tokens",
-        )
-    return SessionNeed(
-        tier=body.tier,
-        max_parallel=body.max_parallel,
-        expected_calls=body.expected_calls or body.max_parallel,
-        est_prompt_tokens=body.est_prompt_tokens or settings.session_default_prompt_tokens,
-        est_output_tokens=output,
-        deadline_s=deadline_s,
-        min_parallel=body.min_parallel or 1,
-    )
-
-
-def check_tier(tier: Tier, tenant: Tenant) -> None:
-    if not tenant.allows(tier):
-        raise KvgateError(
-            ErrorCode.TIER_NOT_ALLOWED,
-            f"tier {tier.value!r} is above this tenant's highest tier {tenant.max_tier.value!r}",
-            param="tier",
-        )
 
 
 def session_out(record: SessionRecord, admission: SessionAdmission | None = None) -> SessionOut:

@@ -2,8 +2,8 @@
 the jitter are arguments, so a decision takes microseconds and a test needs no server.
 
 What a session reserves is its peak KV footprint, ``max_parallel * (est_prompt + est_output)``
-tokens, against the fleet's live KV capacity times an over-commit factor per nested tier group
-(the operator's static ``kv_overcommit`` as the floor; above it, what ``broker.objectives``
+tokens, against the fleet's live KV capacity times an over-commit factor per nested tier group (the
+operator's static ``kv_overcommit`` as the floor; above it, what ``broker.admission.objectives``
 learned that admitted work can carry while meeting its objectives). Checks, in order:
 
 1. the tenant's quotas (concurrent sessions, parallel calls, tokens per minute) → 429;
@@ -19,8 +19,8 @@ learned that admitted work can carry while meeting its objectives). Checks, in o
    worker, waiting in an engine, pending in JetStream) → ``fleet_saturated`` (defer): each
    such call means the fleet is full now, and a call that queues starts with its TTFT
    objective already spent on waiting;
-6. the nested tier shares (see ``broker.tenants``) → ``tier_capacity``; then the fleet total →
-   ``fleet_saturated`` (defer);
+6. the nested tier shares (see ``broker.admission.tenants``) → ``tier_capacity``; then the fleet
+   total → ``fleet_saturated`` (defer);
 7. the session's first turn (every granted call at once) does not fit in the KV the workers
    have not committed, less what sessions admitted since their last readings will commit →
    ``fleet_saturated`` (defer): its calls would be staged at a worker and start late. 6 bounds
@@ -32,7 +32,7 @@ not fit as declared in 3 or 6 is admitted with fewer calls in flight, as many as
 at least its ``min_parallel`` and enough to finish by its deadline; its other calls wait inside
 the session for one of its own slots.
 
-The state store re-checks 1 and 6 atomically when it reserves (``broker.admission_state``), so
+The state store re-checks 1 and 6 atomically when it reserves (``broker.admission.state``), so
 replicas racing on the same snapshot cannot over-admit; this function is the fast, explainable
 first answer. A reading older than ``max_age_s`` is no capacity, never an idle worker.
 """
@@ -44,7 +44,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from broker.tenants import Tenant, TierPolicy
+from broker.admission.tenants import Tenant, TierPolicy
 from schemas.vocab import TIERS_BY_PRIORITY, Decision, Reason, Tier
 
 MIN_RETRY_AFTER_S = 1
@@ -324,11 +324,11 @@ def decide(
 ) -> AdmissionDecision:
     """``jitter`` in [0, 1) spreads retries: ``Retry-After`` estimates are scaled by 0.8 to 1.2.
     ``session_pace_s``: how long admitted sessions took per output token of a round of calls
-    (``broker.objectives.SessionPace``), for check 4. ``factors``, one per nested tier group
-    (``broker.objectives`` learns them from the objectives admitted calls met), replace the
-    policy's static over-commit for what may be reserved now, and never go below it; whether a
-    session could *ever* fit is judged by the static one, so that a rejection does not depend
-    on the moment it was asked.
+    (``broker.admission.objectives.SessionPace``), for check 4. ``factors``, one per nested tier
+    group (``broker.admission.objectives`` learns them from the objectives admitted calls met),
+    replace the policy's static over-commit for what may be reserved now, and never go below
+    it; whether a session could *ever* fit is judged by the static one, so that a rejection does
+    not depend on the moment it was asked.
 
     A session that does not fit with ``max_parallel`` calls in flight is granted fewer, down to
     ``min_parallel`` and to the fewest with which it can still finish by its deadline

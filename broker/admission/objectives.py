@@ -1,7 +1,7 @@
 """Admission aimed at the tiers' objectives: a window per tier that scales how much work may be
 admitted, grown while admitted calls meet their objectives and cut when they do not.
 
-Reservations (``broker.admission``) bound what admitted sessions may hold by their declared
+Reservations (``broker.admission.policy``) bound what admitted sessions may hold by their declared
 peaks. Whether that much work meets its TTFT and TPOT objectives depends on the workload, the
 engine and the hardware, which admission cannot know in advance; the over-commit a fleet can
 carry is therefore learned from the outcome, as CONCUR (arXiv 2601.22705) does for agent
@@ -33,12 +33,12 @@ factor on the fleet's KV capacity, moves by additive increase and multiplicative
 - with fewer than ``min_calls`` judged, a tier is never in violation.
 
 Invariants a change must keep: every window stays within ``[floor, ceiling]``; the factor of a
-nested tier group (a tier and all tiers below it, as ``broker.tenants`` shares nest) is the
-smallest window among the tiers it holds and the tiers above them, so a higher tier's
-violation always narrows every group below it.
+nested tier group (a tier and all tiers below it, as ``broker.admission.tenants`` shares nest) is
+the smallest window among the tiers it holds and the tiers above them, so a higher tier's violation
+always narrows every group below it.
 
-``SessionPace`` learns the other thing admission cannot know in advance: how long admitted
-sessions actually take, which check 4 of ``broker.admission`` turns into a prediction against a
+``SessionPace`` learns the other thing admission cannot know in advance: how long admitted sessions
+actually take, which check 4 of ``broker.admission.policy`` turns into a prediction against a
 session's deadline. Pure: the clock is an argument.
 """
 

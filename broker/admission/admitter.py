@@ -1,9 +1,9 @@
 """The I/O shell around the admission policy: read the signals, decide, reserve, record.
 
-A decision reads the fleet view (kept current by a KV watch), the consumer lag (refreshed in
-the background), and the holdings from the admission state (one Redis round trip); it calls
-the pure ``broker.admission.decide``; an admit then reserves atomically in the state store,
-which may still refuse if another replica took the room first. Every answer, whichever way it
+A decision reads the fleet (``FleetSignals``: the workers' readings and the queue lag, both kept
+current in the background) and the holdings from the admission state (one Redis round trip); it
+calls the pure ``broker.admission.policy.decide``; an admit then reserves atomically in the state
+store, which may still refuse if another replica took the room first. Every answer, whichever way it
 went, goes to the ledger and the metrics.
 
 A session that is deferred for want of room (``tier_capacity``, ``fleet_saturated``) may be
@@ -25,46 +25,40 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from opentelemetry.trace import Span
 
-from api.metrics import FrontDoorMetrics
-from broker.admission import (
+from broker.admission.metrics import AdmissionMetrics
+from broker.admission.objectives import ObjectiveWindows, SessionPace, WindowBounds
+from broker.admission.policy import (
     AdmissionDecision,
     AdmissionPolicy,
     FleetSnapshot,
     PressureTracker,
     SessionNeed,
-    WorkerReading,
     decide,
     fleet_has_room,
     fleet_load,
     retry_after_for_shortfall,
 )
-from broker.admission_state import (
+from broker.admission.signals import FleetSignals
+from broker.admission.state import (
     AdmissionState,
     MemoryAdmissionState,
     ReserveRequest,
     SessionRecord,
-    SlotStatus,
     TenantLimits,
 )
-from broker.errors import AdmissionUnavailable, DeadlineExceeded, KvgateError, Refused
-from broker.fleet import FleetView
+from broker.admission.tenants import Tenancy, Tenant
+from broker.errors import AdmissionUnavailable, Refused
 from broker.ledger import Ledger, LedgerEntry, utcnow
-from broker.objectives import ObjectiveWindows, SessionPace, WindowBounds
 from broker.settings import ApiSettings
 from broker.telemetry import tracer
-from broker.tenants import Tenancy, Tenant
-from schemas.vocab import Decision, ErrorCode, Reason, SessionState, Tier
+from schemas.vocab import Decision, Reason, SessionState, Tier
 
 log = logging.getLogger(__name__)
 
-# How long a stored lag reading stays usable; older means "lag unknown", not "no lag".
-LAG_MAX_AGE_S = 10.0
-SLOT_POLL_S = 0.05
 HOLD_POLL_S = 0.25
 """How often a held session is decided again with no release seen here (each time one read of
 the shared state): a release on another replica, or a worker's reading, is seen this late."""
@@ -134,8 +128,8 @@ class Admitter:
         settings: ApiSettings,
         tenancy: Tenancy,
         state: AdmissionState,
-        fleet: FleetView,
-        metrics: FrontDoorMetrics,
+        signals: FleetSignals,
+        metrics: AdmissionMetrics,
         ledger: Ledger | None,
         *,
         shared: bool,
@@ -147,7 +141,7 @@ class Admitter:
         # While Redis is unreachable, tiers in `degraded_tiers` are admitted against this
         # replica's own budget; those sessions live here until they end.
         self.fallback = MemoryAdmissionState() if shared else None
-        self.fleet = fleet
+        self.signals = signals
         self.metrics = metrics
         self.ledger = ledger
         self.replica = settings.replica_id or uuid.uuid4().hex[:12]
@@ -167,7 +161,6 @@ class Admitter:
         q = settings.admission_pace_quantile
         self.pace = SessionPace(q) if q > 0 else None
         self._rng = random.Random()
-        self._slot_freed: dict[str, asyncio.Event] = {}
         self._room_freed = asyncio.Event()
         self._admitted_recently = RecentAdmissions()
         self._task: asyncio.Task[None] | None = None
@@ -229,29 +222,10 @@ class Admitter:
 
     @property
     def max_age_s(self) -> float:
-        return self.fleet.max_age_ms / 1000
+        return self.signals.max_age_s
 
     def snapshot(self, now_ms: int) -> FleetSnapshot:
-        workers = tuple(
-            WorkerReading(
-                worker_id=hb.worker_id,
-                kv_usage=hb.kv_cache_usage,
-                kv_capacity_tokens=hb.kv_capacity_tokens,
-                running=hb.num_running,
-                waiting=hb.num_waiting,
-                max_num_seqs=hb.max_num_seqs,
-                seq_tokens_per_s=self.fleet.seq_tokens_per_s(hb.worker_id),
-                age_s=max(0.0, (now_ms - hb.sent_ms) / 1000),
-                draining=hb.draining,
-                committed_tokens=hb.committed_tokens,
-                staged=hb.staged,
-            )
-            for hb in self.fleet.all()
-        )
-        pending: dict[Tier, int] | None = None
-        if self.metrics.lag and now_ms / 1000 - self.metrics.lag_read_s <= LAG_MAX_AGE_S:
-            pending = {row.tier: row.pending for row in self.metrics.lag}
-        return FleetSnapshot(workers, pending)
+        return self.signals.snapshot(now_ms)
 
     # -- sessions ---------------------------------------------------------------------------
 
@@ -357,7 +331,7 @@ class Admitter:
             return None
         if held_s:
             decision = replace(decision, signals={**decision.signals, "held_s": round(held_s, 3)})
-        self.metrics.admission_held.labels(need.tier.value, decision.decision.value).observe(held_s)
+        self.metrics.held.labels(need.tier.value, decision.decision.value).observe(held_s)
         self._observe(tenant, need, decision, scope, admitted, latency_s)
         if span.is_recording():
             span.set_attributes(_span_attributes(tenant, need, decision, scope, admitted))
@@ -476,8 +450,8 @@ class Admitter:
         latency_s: float,
     ) -> None:
         tier = need.tier.value
-        self.metrics.admissions.labels(tier, decision.decision.value, decision.reason.value).inc()
-        self.metrics.admission_latency.labels(scope).observe(latency_s)
+        self.metrics.decisions.labels(tier, decision.decision.value, decision.reason.value).inc()
+        self.metrics.latency.labels(scope).observe(latency_s)
         if self.ledger is None:
             return
         self.ledger.record(
@@ -507,31 +481,11 @@ class Admitter:
             return self.fallback
         return self.state
 
-    async def get(self, tenant: Tenant, session_id: str) -> SessionRecord:
-        """The tenant's session; ``session_not_found`` for anyone else's (never 403: that
-        would confirm that the id exists)."""
-        now_ms = int(time.time() * 1000)
-        record = await self.store_for(session_id).get(session_id, now_ms)
-        if record is None or record.tenant != tenant.id:
-            raise KvgateError(
-                ErrorCode.SESSION_NOT_FOUND, f"no session {session_id!r}", param="session"
-            )
-        return record
-
-    async def close(self, tenant: Tenant, session_id: str) -> SessionRecord:
-        before = await self.get(tenant, session_id)
-        now_ms = int(time.time() * 1000)
-        record = await self.store_for(session_id).release(session_id, SessionState.CLOSED, now_ms)
-        assert record is not None
-        self._learn_pace(before, now_ms)
-        self._wake(session_id)
-        self._free_room(session_id)
-        return record
-
-    def _learn_pace(self, before: SessionRecord, now_ms: int) -> None:
-        """A session its client closed: how long it took. One that ran out of its deadline
-        first (the lease expired there) took its whole deadline; a second ``DELETE`` of it
-        counts again, which errs slow. One that idled out says nothing of its pace."""
+    def learn_pace(self, before: SessionRecord, now_ms: int) -> None:
+        """A session its client closed (``before`` is its record as it stood): how long it
+        took. One that ran out of its deadline first (the lease expired there) took its whole
+        deadline; a second ``DELETE`` of it counts again, which errs slow. One that idled out
+        says nothing of its pace."""
         if self.pace is None:
             return
         if before.state is SessionState.ACTIVE:
@@ -548,60 +502,9 @@ class Admitter:
             est_output_tokens=before.est_output_tokens,
         )
 
-    # -- calls --------------------------------------------------------------------------------
-
-    @contextlib.asynccontextmanager
-    async def call_slot(
-        self, record: SessionRecord, call_id: str, call_deadline_ms: int
-    ) -> AsyncIterator[SessionRecord]:
-        """Hold one of the session's ``max_parallel`` call slots. A call beyond them waits for
-        one of its own session's calls to end, up to its deadline; it never takes anyone
-        else's capacity."""
-        store = self.store_for(record.id)
-        while True:
-            now_ms = int(time.time() * 1000)
-            status, current = await store.acquire_call(record.id, call_id, call_deadline_ms, now_ms)
-            if status is SlotStatus.ACQUIRED:
-                break
-            if status is SlotStatus.CLOSED:
-                raise KvgateError(ErrorCode.SESSION_CLOSED, f"session {record.id} is closed")
-            if status is SlotStatus.EXPIRED:
-                raise KvgateError(ErrorCode.SESSION_EXPIRED, f"session {record.id} has expired")
-            if status is SlotStatus.NOT_FOUND:
-                raise KvgateError(ErrorCode.SESSION_NOT_FOUND, f"no session {record.id!r}")
-            left_s = call_deadline_ms / 1000 - time.time()
-            if left_s <= 0:
-                raise DeadlineExceeded(
-                    f"the session's {record.max_parallel} call slots stayed busy until the "
-                    "call's deadline"
-                )
-            event = self._slot_freed.setdefault(record.id, asyncio.Event())
-            # Woken at once by a call ending on this replica; a call ending on another replica
-            # is seen at the next poll.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), min(SLOT_POLL_S, left_s))
-        try:
-            yield current or record
-        finally:
-            with contextlib.suppress(AdmissionUnavailable):
-                await store.release_call(record.id, call_id, int(time.time() * 1000))
-            self._wake(record.id)
-
-    def _wake(self, session_id: str) -> None:
-        event = self._slot_freed.pop(session_id, None)
-        if event is not None:
-            event.set()
-
-    async def end_one_call_session(self, record: SessionRecord) -> None:
-        with contextlib.suppress(AdmissionUnavailable):
-            await self.store_for(record.id).release(
-                record.id, SessionState.CLOSED, int(time.time() * 1000)
-            )
-        self._free_room(record.id)
-
-    def _free_room(self, session_id: str) -> None:
-        """Wake every held session to be decided again: ``session_id``'s reservation was
-        released here."""
+    def room_freed(self, session_id: str) -> None:
+        """``session_id``'s reservation was released here: wake every held session to be
+        decided again."""
         self._admitted_recently.drop(session_id)
         self._room_freed.set()
         self._room_freed = asyncio.Event()
@@ -631,18 +534,3 @@ def _span_attributes(
         if value is not None:
             out[f"kvgate.signal.{name}"] = value
     return out
-
-
-def session_need_for_call(
-    tier: Tier, prompt_tokens: int, max_tokens: int, deadline_s: float
-) -> SessionNeed:
-    """A call with no session is a session of one call, admitted by the same policy."""
-    return SessionNeed(
-        tier=tier,
-        max_parallel=1,
-        expected_calls=1,
-        est_prompt_tokens=prompt_tokens,
-        est_output_tokens=max_tokens,
-        deadline_s=deadline_s,
-        may_queue=True,
-    )

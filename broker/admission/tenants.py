@@ -25,7 +25,7 @@ sessions and best-effort work can never crowd standard work out of more than hal
 
 A tier's objectives (``ttft_ms``, ``tpot_ms``) are what admission aims at: every ended call of an
 admitted session is judged against them, or against its tenant's own where the tenant sets them,
-and each tier's admission window follows the share that met them (``broker.objectives``).
+and each tier's admission window follows the share that met them (``broker.admission.objectives``).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from broker.objectives import Objective
-from schemas.vocab import TIERS_BY_PRIORITY, Tier
+from broker.admission.objectives import Objective
+from broker.errors import KvgateError
+from schemas.vocab import TIERS_BY_PRIORITY, ErrorCode, Tier
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,15 @@ class Tenant(BaseModel):
 
     def allows(self, tier: Tier) -> bool:
         return tier.priority >= self.max_tier.priority
+
+    def require_tier(self, tier: Tier) -> None:
+        """Refuse (403 ``tier_not_allowed``) a tier above this tenant's highest."""
+        if not self.allows(tier):
+            raise KvgateError(
+                ErrorCode.TIER_NOT_ALLOWED,
+                f"tier {tier.value!r} is above this tenant's highest tier {self.max_tier.value!r}",
+                param="tier",
+            )
 
 
 class TierOverride(BaseModel):

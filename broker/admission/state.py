@@ -1,8 +1,8 @@
 """Admission state: the reservations every front-door replica must agree on.
 
 One interface, two implementations that pass the same contract tests
-(``tests/test_admission_state.py``): ``RedisAdmissionState`` (``broker.redis_state``, atomic
-Lua scripts, shared by replicas) and ``MemoryAdmissionState`` here (one replica).
+(``tests/test_admission_state.py``): ``RedisAdmissionState`` (``broker.admission.redis_store``,
+atomic Lua scripts, shared by replicas) and ``MemoryAdmissionState`` here (one replica).
 
 Invariants a reader must not break:
 - ``reserve`` re-checks every ceiling (nested tier groups, tenant quotas) in the same atomic
@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from broker.admission import Holdings
+from broker.admission.policy import Holdings
 from schemas.vocab import TIERS_BY_PRIORITY, Reason, SessionState, Tier
 
 RELEASE_BUCKET_MS = 10_000

@@ -1,0 +1,105 @@
+"""An admitted session's life after its admission: read it, hold its call slots, close it.
+
+A session's lease lives in the admission state that admitted it (``Admitter.store_for``: the
+shared store, or this replica's fallback for sessions admitted while the shared store was
+unreachable). Every release wakes the sessions held for room on this replica
+(``Admitter.room_freed``); a session its client closes teaches the admitter its pace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from broker.admission.admitter import Admitter
+from broker.admission.state import SessionRecord, SlotStatus
+from broker.admission.tenants import Tenant
+from broker.errors import AdmissionUnavailable, DeadlineExceeded, KvgateError
+from schemas.vocab import ErrorCode, SessionState
+
+SLOT_POLL_S = 0.05
+"""How often a call waiting for one of its session's slots asks again with no release seen here
+(a call that ended on another replica is seen this late)."""
+
+
+class SessionLeases:
+    def __init__(self, admitter: Admitter) -> None:
+        self.admitter = admitter
+        self._slot_freed: dict[str, asyncio.Event] = {}
+
+    async def get(self, tenant: Tenant, session_id: str) -> SessionRecord:
+        """The tenant's session; ``session_not_found`` for anyone else's (never 403: that
+        would confirm that the id exists)."""
+        now_ms = int(time.time() * 1000)
+        record = await self.admitter.store_for(session_id).get(session_id, now_ms)
+        if record is None or record.tenant != tenant.id:
+            raise KvgateError(
+                ErrorCode.SESSION_NOT_FOUND, f"no session {session_id!r}", param="session"
+            )
+        return record
+
+    async def close(self, tenant: Tenant, session_id: str) -> SessionRecord:
+        before = await self.get(tenant, session_id)
+        now_ms = int(time.time() * 1000)
+        store = self.admitter.store_for(session_id)
+        record = await store.release(session_id, SessionState.CLOSED, now_ms)
+        if record is None:  # its retention ran out between the two reads
+            raise KvgateError(
+                ErrorCode.SESSION_NOT_FOUND, f"no session {session_id!r}", param="session"
+            )
+        self.admitter.learn_pace(before, now_ms)
+        self._wake(session_id)
+        self.admitter.room_freed(session_id)
+        return record
+
+    @contextlib.asynccontextmanager
+    async def call_slot(
+        self, record: SessionRecord, call_id: str, call_deadline_ms: int
+    ) -> AsyncIterator[SessionRecord]:
+        """Hold one of the session's ``max_parallel`` call slots. A call beyond them waits for
+        one of its own session's calls to end, up to its deadline; it never takes anyone
+        else's capacity."""
+        store = self.admitter.store_for(record.id)
+        while True:
+            now_ms = int(time.time() * 1000)
+            status, current = await store.acquire_call(record.id, call_id, call_deadline_ms, now_ms)
+            if status is SlotStatus.ACQUIRED:
+                break
+            if status is SlotStatus.CLOSED:
+                raise KvgateError(ErrorCode.SESSION_CLOSED, f"session {record.id} is closed")
+            if status is SlotStatus.EXPIRED:
+                raise KvgateError(ErrorCode.SESSION_EXPIRED, f"session {record.id} has expired")
+            if status is SlotStatus.NOT_FOUND:
+                raise KvgateError(ErrorCode.SESSION_NOT_FOUND, f"no session {record.id!r}")
+            left_s = call_deadline_ms / 1000 - time.time()
+            if left_s <= 0:
+                raise DeadlineExceeded(
+                    f"the session's {record.max_parallel} call slots stayed busy until the "
+                    "call's deadline"
+                )
+            event = self._slot_freed.setdefault(record.id, asyncio.Event())
+            # Woken at once by a call ending on this replica; a call ending on another replica
+            # is seen at the next poll.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), min(SLOT_POLL_S, left_s))
+        try:
+            yield current or record
+        finally:
+            with contextlib.suppress(AdmissionUnavailable):
+                await store.release_call(record.id, call_id, int(time.time() * 1000))
+            self._wake(record.id)
+
+    def _wake(self, session_id: str) -> None:
+        event = self._slot_freed.pop(session_id, None)
+        if event is not None:
+            event.set()
+
+    async def end_one_call_session(self, record: SessionRecord) -> None:
+        """Release a plain call's one-call session once its call has ended."""
+        with contextlib.suppress(AdmissionUnavailable):
+            await self.admitter.store_for(record.id).release(
+                record.id, SessionState.CLOSED, int(time.time() * 1000)
+            )
+        self.admitter.room_freed(record.id)

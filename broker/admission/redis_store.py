@@ -1,0 +1,209 @@
+"""Admission state in Redis, shared by every front-door replica.
+
+Every operation is one call of one Lua script (``store.lua``, beside this module), so it is
+atomic: it first sweeps expired leases (any replica's traffic releases a dead replica's
+sessions), then reads or changes the state. The script is given the tiers with every call, so
+the vocabulary lives only in ``schemas.vocab``. Keys, all under one hash-tagged prefix
+(``{kvgate}`` by default) so that they share a cluster slot:
+
+- ``P:s:<id>``          session hash; TTL = until its deadline plus the retention time
+- ``P:leases``          hash id -> "tier tenant tokens parallel" for every live reservation
+- ``P:expiry``          sorted set id -> lease expiry (ms); what the sweep reads
+- ``P:totals``          hash: ``tier:<tier>`` tokens, ``sessions:<tenant>``, ``parallel:<tenant>``
+- ``P:slots:<id>``      sorted set call id -> call deadline (the session's calls in flight)
+- ``P:released:<b>``    tokens released in 10 s bucket ``b`` (TTL 80 s)
+- ``P:tpm:<tenant>:<m>`` tokens charged in minute ``m`` (TTL 2 min)
+- ``P:idem:<tenant>:<key>`` session id of an idempotent create (TTL 24 h)
+
+A lease lives in ``P:leases``/``P:expiry`` (no TTL: they are removed exactly when the lease
+ends, so totals never drift), while everything else carries a TTL, so nothing outlives its use.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from broker.admission.policy import Holdings
+from broker.admission.state import (
+    DEFAULT_RETENTION_MS,
+    RELEASE_BUCKET_MS,
+    RELEASE_WINDOW_BUCKETS,
+    ReserveOutcome,
+    ReserveRequest,
+    SessionRecord,
+    SlotStatus,
+    minute_window,
+)
+from broker.errors import AdmissionUnavailable
+from schemas.vocab import TIERS_BY_PRIORITY, Reason, SessionState, Tier
+
+IDEMPOTENCY_TTL_MS = 24 * 3_600_000
+
+_SCRIPT = (resources.files("broker.admission") / "store.lua").read_text(encoding="utf-8")
+_TIERS = " ".join(tier.value for tier in TIERS_BY_PRIORITY)
+"""The tiers the script reads, highest priority first: the vocabulary is declared once, in
+``schemas.vocab``, and the script takes it as an argument."""
+
+_INT_FIELDS = (
+    "max_parallel",
+    "expected_calls",
+    "est_prompt_tokens",
+    "est_output_tokens",
+    "reserved_tokens",
+    "created_ms",
+    "deadline_ms",
+    "idle_timeout_ms",
+    "expires_ms",
+    "calls_started",
+)
+
+
+class RedisAdmissionState:
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "{kvgate}",
+        retention_ms: int = DEFAULT_RETENTION_MS,
+        timeout_s: float = 0.5,
+    ) -> None:
+        self.prefix = prefix
+        self.retention_ms = retention_ms
+        self._redis = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            decode_responses=True,
+            retry_on_timeout=False,
+        )
+        self._script = self._redis.register_script(_SCRIPT)
+
+    async def _call(self, op: str, now_ms: int, *args: str | int) -> Any:
+        try:
+            return await self._script(
+                keys=[self.prefix], args=[op, now_ms, self.retention_ms, _TIERS, *args]
+            )
+        except (RedisError, OSError) as exc:
+            raise AdmissionUnavailable(f"admission state (Redis) unavailable: {exc}") from exc
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._redis.ping())
+        except (RedisError, OSError):
+            return False
+
+    async def holdings(self, tenant: str, now_ms: int) -> Holdings:
+        window, left_s = minute_window(now_ms)
+        out = await self._call("holdings", now_ms, tenant, window, RELEASE_WINDOW_BUCKETS)
+        window_s = RELEASE_BUCKET_MS * RELEASE_WINDOW_BUCKETS / 1000
+        n = len(TIERS_BY_PRIORITY)
+        return Holdings(
+            reserved_by_tier={t: int(out[i]) for i, t in enumerate(TIERS_BY_PRIORITY)},
+            tenant_sessions=int(out[n]),
+            tenant_parallel=int(out[n + 1]),
+            tenant_tokens_this_minute=int(out[n + 2]),
+            released_tokens_per_s=int(out[n + 3]) / window_s,
+            seconds_to_next_minute=left_s,
+        )
+
+    async def reserve(self, request: ReserveRequest, now_ms: int) -> ReserveOutcome:
+        record = request.record
+        limits = request.tenant_limits
+        window, _ = minute_window(now_ms)
+        out = await self._call(
+            "reserve",
+            now_ms,
+            record.id,
+            record.tenant,
+            TIERS_BY_PRIORITY.index(record.tier) + 1,
+            record.reserved_tokens,
+            record.max_parallel,
+            record.expires_ms,
+            record.deadline_ms,
+            limits.max_sessions,
+            limits.max_parallel_calls,
+            limits.tokens_per_minute,
+            request.tokens_charged,
+            window,
+            request.idempotency_key or "",
+            IDEMPOTENCY_TTL_MS,
+            json.dumps(_to_fields(record)),
+            *request.tier_limits,
+        )
+        status, value = out[0], out[1]
+        if status == "admitted":
+            return ReserveOutcome(Reason.ADMITTED, record)
+        if status == "existing":
+            existing = await self.get(value, now_ms)
+            if existing is not None:
+                return ReserveOutcome(Reason.ADMITTED, existing, existing=True)
+            return ReserveOutcome(Reason.FLEET_SATURATED)
+        return ReserveOutcome(Reason(status), shortfall_tokens=int(value))
+
+    async def get(self, session_id: str, now_ms: int) -> SessionRecord | None:
+        return _from_fields(await self._call("get", now_ms, session_id))
+
+    async def release(
+        self, session_id: str, state: SessionState, now_ms: int
+    ) -> SessionRecord | None:
+        return _from_fields(await self._call("release", now_ms, session_id, state.value))
+
+    async def acquire_call(
+        self, session_id: str, call_id: str, call_deadline_ms: int, now_ms: int
+    ) -> tuple[SlotStatus, SessionRecord | None]:
+        out = await self._call("acquire", now_ms, session_id, call_id, call_deadline_ms)
+        return SlotStatus(out[0]), _from_fields(out[1:])
+
+    async def release_call(self, session_id: str, call_id: str, now_ms: int) -> None:
+        await self._call("release_call", now_ms, session_id, call_id)
+
+    async def touch(self, session_id: str, now_ms: int) -> None:
+        await self._call("touch", now_ms, session_id)
+
+    async def sweep(self, now_ms: int) -> int:
+        return int(await self._call("sweep", now_ms))
+
+    async def reserved_tokens(self) -> int:
+        return int(await self._call("reserved", 0))
+
+    async def delete_all(self) -> None:
+        """Remove every key under the prefix (tests and ``kvgate`` resets)."""
+        async for key in self._redis.scan_iter(match=f"{self.prefix}*", count=500):
+            await self._redis.delete(key)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def _to_fields(record: SessionRecord) -> dict[str, str]:
+    # Strings only: Lua numbers are doubles and would print large integers in exponent form.
+    fields = {name: str(getattr(record, name)) for name in _INT_FIELDS}
+    fields.update(
+        id=record.id,
+        tenant=record.tenant,
+        tier=record.tier.value,
+        state=record.state.value,
+        metadata=json.dumps(record.metadata),
+    )
+    return fields
+
+
+def _from_fields(flat: list[str]) -> SessionRecord | None:
+    if not flat:
+        return None
+    raw = dict(zip(flat[::2], flat[1::2], strict=True))
+    ended = raw.get("ended_ms")
+    return SessionRecord(
+        id=raw["id"],
+        tenant=raw["tenant"],
+        tier=Tier(raw["tier"]),
+        state=SessionState(raw["state"]),
+        ended_ms=None if ended is None else int(ended),
+        metadata=json.loads(raw.get("metadata", "{}")),
+        **{name: int(raw[name]) for name in _INT_FIELDS},
+    )
