@@ -50,6 +50,7 @@ from broker.admission.policy import (
 )
 from broker.admission.tenants import DEFAULT_TIERS, Tenant
 from kvgate.cli import COMMAND
+from loadtests import stats
 from schemas.vocab import Tier
 
 
@@ -80,12 +81,6 @@ def machine_load(into: dict[str, Any]) -> Iterator[None]:
             else None
         ),
     }
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def bench_policy(decisions: int) -> dict[str, Any]:
@@ -127,10 +122,11 @@ def bench_policy(decisions: int) -> dict[str, Any]:
         )
         timings.append((clock() - started) / 1000)
         outcomes[d.reason.value] = outcomes.get(d.reason.value, 0) + 1
+    cuts = stats.summary(timings, (50, 99), ndigits=2)
     return {
         "decisions": decisions,
-        "p50_us": round(percentile(timings, 50), 2),
-        "p99_us": round(percentile(timings, 99), 2),
+        "p50_us": cuts["p50"],
+        "p99_us": cuts["p99"],
         "mean_us": round(statistics.fmean(timings), 2),
         "outcomes": outcomes,
     }
@@ -217,14 +213,15 @@ async def open_loop(base: str, rate: float, seconds: float) -> dict[str, Any]:
         offered_s = time.perf_counter() - t0
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - t0
+    cuts = stats.summary(latencies, (50, 99), ndigits=2)
     return {
         "offered_rate": rate,
         "sessions": total,
         "achieved_offer_rate": round(total / offered_s, 1),
         "completed_rate": round(total / elapsed, 1),
         "statuses": statuses,
-        "p50_ms": round(percentile(latencies, 50), 2),
-        "p99_ms": round(percentile(latencies, 99), 2),
+        "p50_ms": cuts["p50"],
+        "p99_ms": cuts["p99"],
         "max_ms": round(max(latencies), 2),
     }
 
@@ -247,12 +244,13 @@ async def closed_loop(base: str, concurrency: int, seconds: float) -> dict[str, 
         t0 = time.perf_counter()
         await asyncio.gather(*(loop() for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
+    cuts = stats.summary(latencies, (50, 99), ndigits=2)
     return {
         "concurrency": concurrency,
         "sessions": len(latencies),
         "sessions_per_s": round(len(latencies) / elapsed, 1),
-        "p50_ms": round(percentile(latencies, 50), 2),
-        "p99_ms": round(percentile(latencies, 99), 2),
+        "p50_ms": cuts["p50"],
+        "p99_ms": cuts["p99"],
     }
 
 
@@ -265,11 +263,8 @@ def server_side(ledger: Path, since_id: int) -> tuple[dict[str, Any], int]:
     last = max((r[0] for r in rows), default=since_id)
     if not values:
         return {"decisions": 0}, last
-    return {
-        "decisions": len(values),
-        "p50_us": round(percentile(values, 50)),
-        "p99_us": round(percentile(values, 99)),
-    }, last
+    cuts = stats.summary(values, (50, 99), ndigits=0)
+    return {"decisions": len(values), "p50_us": cuts["p50"], "p99_us": cuts["p99"]}, last
 
 
 async def bench_http(args: argparse.Namespace) -> dict[str, Any]:

@@ -23,12 +23,12 @@ from typing import Any
 
 import httpx
 
+from loadtests import stats
 from loadtests.bench_worker import (
     BURST_BLOCKS,
     FAILURES,
     ensure_model,
     on_kvgate,
-    percentile,
     stream_call,
 )
 from loadtests.targets import KvgateStack
@@ -65,10 +65,11 @@ async def guaranteed_round(client: httpx.AsyncClient, calls: int, waves: int) ->
 
 
 def summary(ttfts: list[float]) -> dict[str, Any]:
+    cuts = stats.summary(ttfts, (50, 99), ndigits=3)
     return {
         "calls": len(ttfts),
-        "p50_s": round(percentile(ttfts, 50), 3),
-        "p99_s": round(percentile(ttfts, 99), 3),
+        "p50_s": cuts["p50"],
+        "p99_s": cuts["p99"],
         "max_s": round(max(ttfts), 3),
         "within_objective": round(sum(t <= OBJECTIVE_S for t in ttfts) / len(ttfts), 3),
     }

@@ -24,6 +24,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from loadtests import stats
+
 
 class _DropExporter(SpanExporter):
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
@@ -70,13 +72,8 @@ def run(mode: str, calls: int) -> dict[str, Any]:
         started = time.perf_counter_ns()
         one_call()
         timings.append((time.perf_counter_ns() - started) / 1000)
-    timings.sort()
-    return {
-        "mode": mode,
-        "calls": calls,
-        "p50_us": round(timings[len(timings) // 2], 2),
-        "p99_us": round(timings[int(len(timings) * 0.99)], 2),
-    }
+    cuts = stats.summary(timings, (50, 99), ndigits=2)
+    return {"mode": mode, "calls": calls, "p50_us": cuts["p50"], "p99_us": cuts["p99"]}
 
 
 def main() -> None:

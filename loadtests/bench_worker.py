@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import httpx
 
 from kvgate.cli import COMMAND
+from loadtests import stats
 from loadtests.targets import EngineConfig, KvgateStack
 
 T = TypeVar("T")
@@ -51,12 +52,6 @@ PROMPT = "the agent reads the file and writes the plan for the next step"
 
 # Calls that did not succeed, with status and body: reported, never silently dropped.
 FAILURES: list[str] = []
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 # -- direct: the engine in-process, no broker ------------------------------------------------
@@ -240,13 +235,10 @@ async def run_burst(stack: KvgateStack) -> dict[str, Any]:
     await watcher.stop()
     await nc.close()
 
-    def ttfts(results: list[dict[str, Any]]) -> dict[str, float]:
+    def ttfts(results: list[dict[str, Any]]) -> dict[str, float | None]:
         values = [float(r["ttft"]) for r in results if r["ttft"] is not None]
-        return {
-            "p50": percentile(values, 50),
-            "p99": percentile(values, 99),
-            "max": max(values),
-        }
+        cuts = stats.percentiles(values, (50, 99, 100))
+        return {"p50": cuts[50], "p99": cuts[99], "max": cuts[100]}
 
     return {
         "kv_capacity_tokens": after.kv_capacity_tokens,

@@ -17,22 +17,21 @@ Definitions (the report repeats them):
 - **Wasted tokens**: output tokens generated for sessions that were not good, as a share of all
   output tokens generated. "Generated" is the engine's own counter when the point read one
   (tokens of calls cut short included), else what the clients received.
-- Percentiles are nearest-rank over the calls that completed.
+- Percentiles (p50, p95, p99) are over the calls that completed, by ``loadtests.stats``'s
+  definition (linear interpolation between closest ranks, numpy's default).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from broker.admission.objectives import Objective
 from broker.admission.tenants import Tenancy
+from loadtests import stats
 from loadtests.agent import CallOutcome, CallStatus, SessionOutcome
 from schemas.vocab import Tier
-
-PERCENTILES = (50, 95, 99)
 
 
 @dataclass(frozen=True)
@@ -67,21 +66,9 @@ class Objectives:
         return session.completed and all(self.met(call) for call in session.calls)
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
-
-
 def latency_summary(values: Sequence[float]) -> dict[str, float | int | None]:
-    out: dict[str, float | int | None] = {"n": len(values)}
-    for q in PERCENTILES:
-        value = percentile(values, q)
-        out[f"p{q}"] = None if value is None else round(value, 6)
-    return out
+    """``n``, p50, p95 and p99, to the microsecond for values in seconds."""
+    return stats.summary(values, (50, 95, 99), ndigits=6)
 
 
 def _ratio(part: float, whole: float) -> float | None:
@@ -180,6 +167,5 @@ def spread(values: Iterable[float | None]) -> dict[str, float | None]:
     present = sorted(v for v in values if v is not None)
     if not present:
         return {"min": None, "median": None, "max": None, "n": 0}
-    mid = len(present) // 2
-    median = present[mid] if len(present) % 2 else (present[mid - 1] + present[mid]) / 2
+    median = stats.percentile(present, 50)
     return {"min": present[0], "median": median, "max": present[-1], "n": len(present)}

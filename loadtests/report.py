@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loadtests import stats
+
 if TYPE_CHECKING:
     from loadtests.sweep import PointResult
 
@@ -239,10 +241,10 @@ def _plots(run: Path, summary: dict[str, Any], points: Sequence[PointResult]) ->
                         for p in points
                         if p.mode.value == mode and p.load == load
                     ]
-                    present = sorted(v for v in values if v is not None)
-                    if present:
+                    median = stats.percentile((v for v in values if v is not None), 50)
+                    if median is not None:
                         xs.append(load)
-                        ys.append(present[len(present) // 2])
+                        ys.append(median)
                 if xs:
                     ax.plot(xs, ys, style, marker=".", label=f"{tier} {q}")
         ax.axhline(objective, color="grey", lw=1, ls=":", label="TTFT objective (tightest)")
