@@ -1,4 +1,5 @@
-"""Settings for every kvgate process, read from ``KVGATE_*`` environment variables.
+"""Settings of the front door and the stream layout both sides share, read from ``KVGATE_*``
+environment variables (a worker's own are ``workers.settings``).
 
 Built by the process entry points (``kvgate api``, ``kvgate worker``), never at import time, so
 tests can build as many differently configured instances as they need.
@@ -109,48 +110,4 @@ class ApiSettings(BaseSettings):
     batch_tick_s: float = Field(default=0.5, gt=0)
     batch_runner_stale_s: float = Field(default=30.0, gt=0)
     batch_max_lines: int = Field(default=50_000, ge=1)
-    stream: StreamSettings = Field(default_factory=StreamSettings)
-
-
-class WorkerSettings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="KVGATE_WORKER_", extra="ignore", populate_by_name=True
-    )
-
-    nats_url: str = Field(
-        default=f"nats://127.0.0.1:{DEFAULT_NATS_PORT}",
-        validation_alias="KVGATE_NATS_URL",
-    )
-    model: Path = Path(".kvgate/model")
-    served_model_name: str = Field(
-        default="kvgate-dev", validation_alias="KVGATE_SERVED_MODEL_NAME"
-    )
-    worker_id: str | None = None
-    max_model_len: int = 2048
-    max_num_seqs: int = 16
-    block_size: int | None = None
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    dtype: str = "auto"
-    enforce_eager: bool = False
-    cpu_kvcache_space_gib: int = 1
-    # Further `vllm serve` options, as on its command line (`--tool-call-parser hermes
-    # --enable-auto-tool-choice --chat-template t.jinja`), parsed by vLLM's own parser. They
-    # follow the model folder's own defaults (kvgate-serve-args.json), so they win.
-    vllm_args: str = ""
-    heartbeat_interval_s: float = Field(default=2.0, gt=0)
-    # How long one pull request waits at the server for work before it is renewed.
-    pull_expires_s: float = Field(default=10.0, gt=0.1)
-    # SIGTERM: how long in-flight calls may run before they are handed back.
-    drain_grace_s: float = Field(default=30.0, ge=0)
-    nak_delay_s: float = Field(default=1.0, ge=0)
-    # KV headroom (see workers/headroom.py): commit at most this share of the KV cache to calls
-    # below the guaranteed tier (guaranteed calls may add `guaranteed_reserve` above it); fetch
-    # nothing while less than the low-water share is free.
-    kv_high_water: float = Field(default=0.95, gt=0, le=1)
-    kv_low_water: float = Field(default=0.05, ge=0, lt=1)
-    max_waiting: int = Field(default=0, ge=0)
-    starvation_s: float = Field(default=10.0, gt=0)
-    guaranteed_reserve: float = Field(default=0.15, ge=0, lt=1)
     stream: StreamSettings = Field(default_factory=StreamSettings)

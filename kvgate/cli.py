@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 
 from broker.settings import DEFAULT_NATS_PORT
+from workers.settings import add_flags as add_worker_flags
+from workers.settings import from_flags as worker_settings_from_flags
 
 COMMAND = [sys.executable, "-m", "kvgate.cli"]
 """This command, run as a child process on this interpreter (``kvgate up``, the tests and the
@@ -67,25 +69,15 @@ def cmd_nats(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from broker.settings import WorkerSettings
+    from pydantic import ValidationError
+
     from workers.main import serve
 
-    overrides = {
-        key: value
-        for key, value in {
-            "model": args.model,
-            "served_model_name": args.served_model_name,
-            "max_num_seqs": args.max_num_seqs,
-            "max_model_len": args.max_model_len,
-            "block_size": args.block_size,
-            "num_gpu_blocks_override": args.num_gpu_blocks_override,
-            "enforce_eager": args.enforce_eager or None,
-            "worker_id": args.worker_id,
-            "vllm_args": args.vllm_args,
-        }.items()
-        if value is not None
-    }
-    settings = WorkerSettings(**overrides)
+    try:
+        settings = worker_settings_from_flags(args)
+    except ValidationError as exc:  # a bad flag or variable: named by the model, no traceback
+        print(f"kvgate worker: {exc}", file=sys.stderr)
+        return 2
     from broker.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("kvgate-worker")
@@ -253,19 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     nats_p.set_defaults(func=cmd_nats)
 
     worker = sub.add_parser("worker", help="run a worker (settings also from KVGATE_WORKER_*)")
-    worker.add_argument("--model", help="model directory (KVGATE_WORKER_MODEL)")
-    worker.add_argument("--served-model-name")
-    worker.add_argument("--max-num-seqs", type=int)
-    worker.add_argument("--max-model-len", type=int)
-    worker.add_argument("--block-size", type=int)
-    worker.add_argument("--num-gpu-blocks-override", type=int)
-    worker.add_argument("--enforce-eager", action="store_true")
-    worker.add_argument("--worker-id")
-    worker.add_argument(
-        "--vllm-args",
-        help="further `vllm serve` options in one string, e.g. '--tool-call-parser hermes' "
-        "(KVGATE_WORKER_VLLM_ARGS)",
-    )
+    add_worker_flags(worker)
     worker.set_defaults(func=cmd_worker)
 
     api = sub.add_parser("api", help="run the front door (settings also from KVGATE_*)")

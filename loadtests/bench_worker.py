@@ -30,15 +30,18 @@ import httpx
 from kvgate.cli import COMMAND
 from loadtests import stats
 from loadtests.targets import EngineConfig, KvgateStack
+from workers.settings import worker_env
 
 T = TypeVar("T")
 
 ENGINE_ENV = {
-    "KVGATE_WORKER_MAX_NUM_SEQS": "16",
-    "KVGATE_WORKER_BLOCK_SIZE": "32",
-    "KVGATE_WORKER_MAX_MODEL_LEN": "1024",
-    "KVGATE_WORKER_ENFORCE_EAGER": "true",
-    "KVGATE_WORKER_HEARTBEAT_INTERVAL_S": "0.5",
+    **worker_env(
+        max_num_seqs=16,
+        block_size=32,
+        max_model_len=1024,
+        enforce_eager=True,
+        heartbeat_interval_s=0.5,
+    ),
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
 }
@@ -58,14 +61,12 @@ FAILURES: list[str] = []
 
 
 async def run_direct(model: Path, calls: int, max_tokens: int) -> dict[str, Any]:
-    from broker.settings import WorkerSettings
     from schemas.vocab import Endpoint
     from workers.engine import EngineRequest
-    from workers.main import engine_config
-    from workers.vllm_engine import VllmEngine, VllmEngineConfig
+    from workers.settings import EngineSettings
+    from workers.vllm_engine import VllmEngine
 
-    config = engine_config(WorkerSettings(model=model))
-    assert isinstance(config, VllmEngineConfig)
+    config = EngineSettings(model=model)
     engine = await VllmEngine.start(config)
     try:
 

@@ -29,6 +29,7 @@ import aiohttp
 
 from broker.procs import Proc, free_port
 from kvgate.cli import COMMAND
+from workers.settings import worker_env
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,14 @@ class EngineConfig:
         """The same engine as ``kvgate worker`` settings (``KVGATE_WORKER_*``)."""
         return {
             **self.env(),
-            "KVGATE_SERVED_MODEL_NAME": self.served_model_name,
-            "KVGATE_WORKER_MAX_NUM_SEQS": str(self.max_num_seqs),
-            "KVGATE_WORKER_BLOCK_SIZE": str(self.block_size),
-            "KVGATE_WORKER_NUM_GPU_BLOCKS_OVERRIDE": str(self.num_blocks),
-            "KVGATE_WORKER_MAX_MODEL_LEN": str(self.max_model_len),
-            "KVGATE_WORKER_ENFORCE_EAGER": "true",
+            **worker_env(
+                served_model_name=self.served_model_name,
+                max_num_seqs=self.max_num_seqs,
+                block_size=self.block_size,
+                num_gpu_blocks_override=self.num_blocks,
+                max_model_len=self.max_model_len,
+                enforce_eager=True,
+            ),
         }
 
     def to_json(self) -> dict[str, Any]:

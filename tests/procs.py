@@ -6,6 +6,7 @@ from pathlib import Path
 
 from broker.procs import Proc, free_port, wait_http
 from kvgate.cli import COMMAND
+from workers.settings import worker_env
 
 
 def start_api(nats_url: str, log_dir: Path, **env: str) -> tuple[Proc, str]:
@@ -37,13 +38,15 @@ def start_worker(nats_url: str, model: Path, log_dir: Path, name: str, **env: st
 
 # A small engine: 16 sequences, 64 blocks of 32 tokens (2,048 KV tokens), 1,024-token context.
 WORKER_ENV = {
-    "KVGATE_WORKER_MAX_NUM_SEQS": "16",
-    "KVGATE_WORKER_BLOCK_SIZE": "32",
-    "KVGATE_WORKER_NUM_GPU_BLOCKS_OVERRIDE": "64",
-    "KVGATE_WORKER_MAX_MODEL_LEN": "1024",
-    "KVGATE_WORKER_ENFORCE_EAGER": "true",
-    "KVGATE_WORKER_HEARTBEAT_INTERVAL_S": "0.5",
-    "KVGATE_WORKER_DRAIN_GRACE_S": "10",
+    **worker_env(
+        max_num_seqs=16,
+        block_size=32,
+        num_gpu_blocks_override=64,
+        max_model_len=1024,
+        enforce_eager=True,
+        heartbeat_interval_s=0.5,
+        drain_grace_s=10,
+    ),
     # One OpenMP thread, unbound: by default the CPU engine binds a spinning thread to every
     # core, which on a 2-core CI machine starves the front door and the worker's own event
     # loop (and a second engine) of CPU.

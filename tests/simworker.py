@@ -9,8 +9,9 @@ from collections.abc import AsyncIterator
 import httpx
 
 from tests.polling import poll_until
+from workers.settings import WorkerSettings
 from workers.sim_engine import SimEngine
-from workers.worker import Worker, WorkerOptions
+from workers.worker import Worker
 
 
 @contextlib.asynccontextmanager
@@ -20,7 +21,7 @@ async def sim_worker(
     """Run a worker on ``engine``; yields once the front door at ``ready_at`` sees it."""
     worker = Worker(
         engine,
-        WorkerOptions(
+        WorkerSettings(
             nats_url=nats_url, worker_id=worker_id, pull_expires_s=2, heartbeat_interval_s=0.3
         ),
     )

@@ -12,8 +12,9 @@ import pytest
 
 from tests.conftest import Stack
 from tests.polling import poll_until
+from workers.settings import WorkerSettings
 from workers.sim_engine import SimEngine, SimEngineConfig
-from workers.worker import Worker, WorkerOptions
+from workers.worker import Worker
 
 MODEL = "kvgate-dev"
 
@@ -65,7 +66,7 @@ async def test_each_model_is_routed_to_the_workers_that_serve_it(stack: Stack) -
     NATS's, and a second vLLM engine would not fit beside the first on two cores)."""
     other = "org/sim.model-b"
     engine = SimEngine(SimEngineConfig(served_model_name=other, max_model_len=512, step_s=0.002))
-    options = WorkerOptions(
+    options = WorkerSettings(
         nats_url=stack.nats.url, worker_id="sim-b", pull_expires_s=2, heartbeat_interval_s=0.3
     )
     worker = Worker(engine, options)

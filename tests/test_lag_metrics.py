@@ -21,8 +21,9 @@ from kvgate.cli import COMMAND
 from tests.calls import MODEL, make_call
 from tests.conftest import Stack
 from tests.procs import start_api
+from workers.settings import WorkerSettings
 from workers.sim_engine import SimEngine, SimEngineConfig
-from workers.worker import Worker, WorkerOptions
+from workers.worker import Worker
 
 TOKEN = "test-admin-token"
 
@@ -77,7 +78,7 @@ async def test_lag_reports_pending_calls_then_drains(
 
         worker = Worker(
             SimEngine(SimEngineConfig(served_model_name=MODEL, step_s=0.001)),
-            WorkerOptions(nats_url=nats_server.url, worker_id="sim-lag", pull_expires_s=2),
+            WorkerSettings(nats_url=nats_server.url, worker_id="sim-lag", pull_expires_s=2),
         )
         task = asyncio.create_task(worker.run())
         try:

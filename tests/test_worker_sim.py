@@ -30,9 +30,9 @@ from schemas.wire import (
     encode,
 )
 from workers.engine import EngineStats
-from workers.headroom import HeadroomPolicy
+from workers.settings import HeadroomSettings, WorkerSettings
 from workers.sim_engine import FAIL_MARKER, SimEngine, SimEngineConfig
-from workers.worker import Worker, WorkerOptions
+from workers.worker import Worker
 
 STREAM = StreamSettings(ack_wait_s=2, max_deliver=3)
 
@@ -107,7 +107,7 @@ class Harness:
         }
         worker = Worker(
             SimEngine(config),
-            WorkerOptions(
+            WorkerSettings(
                 nats_url=self.url,
                 worker_id=f"sim-{len(self.workers)}",
                 **settings,  # type: ignore[arg-type]
@@ -215,8 +215,8 @@ async def test_a_staged_call_whose_deadline_passes_is_dropped(harness: Harness) 
 
 async def test_burst_never_commits_past_the_high_water_mark(harness: Harness) -> None:
     config = SimEngineConfig(max_num_seqs=32, kv_capacity_tokens=2048, block_size=16)
-    policy = HeadroomPolicy(high_water=0.8, guaranteed_reserve=0)
-    worker = await harness.start_worker(config, headroom=policy)
+    headroom = HeadroomSettings(kv_high_water=0.8, guaranteed_reserve=0)
+    worker = await harness.start_worker(config, headroom=headroom)
     # Each call costs ceil((7 + 100) / 16) * 16 = 112 tokens; 3x the cache is ~55 calls.
     inboxes = [await harness.send(call(f"b{i}", max_tokens=100)) for i in range(55)]
     peak_usage = 0.0
@@ -303,8 +303,8 @@ async def test_a_cancel_that_overtakes_its_call_stops_it_on_arrival(harness: Har
 
 async def test_staged_lower_tier_calls_do_not_keep_a_guaranteed_call_out(harness: Harness) -> None:
     config = SimEngineConfig(max_num_seqs=16, kv_capacity_tokens=1024, block_size=16, step_s=0.01)
-    policy = HeadroomPolicy(high_water=0.9, guaranteed_reserve=0.25)
-    await harness.start_worker(config, headroom=policy)
+    headroom = HeadroomSettings(kv_high_water=0.9, guaranteed_reserve=0.25)
+    await harness.start_worker(config, headroom=headroom)
     # Each best-effort call costs 416 tokens and runs 4 s: two fit under the high-water mark
     # (921 tokens), the third waits staged, so no room is left for more lower-tier credit.
     low = [
@@ -337,7 +337,7 @@ async def test_an_idle_worker_reports_idle_whatever_its_engines_last_reading_sai
 ) -> None:
     worker = Worker(
         StaleStatsEngine(SimEngineConfig(step_s=0.05)),
-        WorkerOptions(nats_url=harness.url, worker_id="stale", stream=STREAM),
+        WorkerSettings(nats_url=harness.url, worker_id="stale", stream=STREAM),
     )
     assert worker.heartbeat().num_running == 0
     idle = worker.heartbeat()

@@ -16,7 +16,7 @@ whatever the request said.
 
 The same code serves the CUDA build (``pip install kvgate[gpu]``) and the CPU build
 (``kvgate[cpu]``): both ship the ``vllm`` module with the same API. Only the engine arguments
-differ, and those come from ``VllmEngineConfig``.
+differ, and those come from ``EngineSettings``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import json
 import logging
 import os
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -46,6 +45,7 @@ from workers.engine import (
     EngineStats,
     PreparedRequest,
 )
+from workers.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -54,60 +54,6 @@ log = logging.getLogger(__name__)
 _HARMLESS_FIELDS: Final = frozenset(
     {"metadata", "store", "safety_identifier", "prompt_cache_key", "user"}
 )
-
-
-@dataclass(frozen=True)
-class VllmEngineConfig:
-    model: str
-    served_model_name: str
-    max_model_len: int = 2048
-    max_num_seqs: int = 16
-    block_size: int | None = None
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    dtype: str = "auto"
-    enforce_eager: bool = False
-    seed: int = 0
-    # The CPU build sizes its KV cache from this variable (GiB); ignored by the CUDA build.
-    cpu_kvcache_space_gib: int = 1
-    serve_args: tuple[str, ...] = field(default_factory=tuple)
-    """Further ``vllm serve`` options (``--tool-call-parser hermes``, ``--chat-template ...``,
-    ``--reasoning-parser ...``), parsed by vLLM's own argument parser."""
-
-    def argv(self) -> list[str]:
-        """The ``vllm serve`` command line this configuration stands for."""
-        argv = [
-            "--model",
-            self.model,
-            "--served-model-name",
-            self.served_model_name,
-            "--max-model-len",
-            str(self.max_model_len),
-            "--max-num-seqs",
-            str(self.max_num_seqs),
-            "--gpu-memory-utilization",
-            str(self.gpu_memory_utilization),
-            "--dtype",
-            self.dtype,
-            "--seed",
-            str(self.seed),
-        ]
-        optional = {
-            "--block-size": self.block_size,
-            "--num-gpu-blocks-override": self.num_gpu_blocks_override,
-            "--kv-cache-memory-bytes": self.kv_cache_memory_bytes,
-        }
-        for flag, value in optional.items():
-            if value is not None:
-                argv += [flag, str(value)]
-        if self.enforce_eager:
-            argv.append("--enforce-eager")
-        argv += _model_serve_args(Path(self.model))
-        argv += self.serve_args
-        # kvgate orders the engine's queue by tier: these are not the operator's to change.
-        argv += ["--scheduling-policy", "priority", "--disable-log-stats"]
-        return argv
 
 
 def _model_serve_args(model: Path) -> list[str]:
@@ -120,6 +66,41 @@ def _model_serve_args(model: Path) -> list[str]:
     if not (isinstance(args, list) and all(isinstance(a, str) for a in args)):
         raise ValueError(f"{path} must hold a JSON list of strings")
     return list(args)
+
+
+def serve_argv(config: EngineSettings) -> list[str]:
+    """The ``vllm serve`` command line ``config`` stands for."""
+    argv = [
+        "--model",
+        str(config.model),
+        "--served-model-name",
+        config.served_model_name,
+        "--max-model-len",
+        str(config.max_model_len),
+        "--max-num-seqs",
+        str(config.max_num_seqs),
+        "--gpu-memory-utilization",
+        str(config.gpu_memory_utilization),
+        "--dtype",
+        config.dtype,
+        "--seed",
+        str(config.seed),
+    ]
+    optional = {
+        "--block-size": config.block_size,
+        "--num-gpu-blocks-override": config.num_gpu_blocks_override,
+        "--kv-cache-memory-bytes": config.kv_cache_memory_bytes,
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    if config.enforce_eager:
+        argv.append("--enforce-eager")
+    argv += _model_serve_args(config.model)
+    argv += config.serve_args
+    # kvgate orders the engine's queue by tier: these are not the operator's to change.
+    argv += ["--scheduling-policy", "priority", "--disable-log-stats"]
+    return argv
 
 
 class _SchedulerReading:
@@ -272,7 +253,7 @@ def _prompt_length(prompt: Any) -> int:
 class VllmEngine:
     """Start with ``await VllmEngine.start(config)``; start-up loads the model (seconds)."""
 
-    def __init__(self, llm: Any, state: Any, config: VllmEngineConfig, reading: Any) -> None:
+    def __init__(self, llm: Any, state: Any, config: EngineSettings, reading: Any) -> None:
         self._llm = llm
         self._state = state
         self._config = config
@@ -284,7 +265,7 @@ class VllmEngine:
         self._max_model_len = int(llm.model_config.max_model_len)
 
     @classmethod
-    async def start(cls, config: VllmEngineConfig) -> VllmEngine:
+    async def start(cls, config: EngineSettings) -> VllmEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kvcache_space_gib))
         from starlette.datastructures import State
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -296,7 +277,7 @@ class VllmEngine:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = make_arg_parser(FlexibleArgumentParser()).parse_args(config.argv())
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(serve_argv(config))
         validate_parsed_serve_args(args)
         reading = _SchedulerReading()
         llm = AsyncLLM.from_engine_args(

@@ -22,12 +22,9 @@ import dataclasses
 import functools
 import json
 import logging
-import os
-import socket
 import time
-import uuid
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -36,7 +33,6 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
-from broker.settings import StreamSettings
 from broker.streams import provision_calls, provision_results, workers_bucket
 from schemas.vocab import TIERS_BY_PRIORITY, ErrorCode, Tier
 from schemas.wire import (
@@ -59,7 +55,6 @@ from workers.engine import (
 )
 from workers.headroom import (
     Headroom,
-    HeadroomPolicy,
     Load,
     StagedCall,
     call_load,
@@ -73,6 +68,7 @@ from workers.puller import TierPuller
 from workers.pullplan import TierView, held_back, plan_pulls
 from workers.relay import Relay, ReplyRelay
 from workers.result_relay import ResultRelay
+from workers.settings import WorkerSettings
 from workers.tracing import CallTrace
 
 log = logging.getLogger(__name__)
@@ -84,22 +80,6 @@ _PROGRESS_S = 5.0
 # How long a cancel is remembered for a call this worker has not received yet: a cancel can
 # overtake its call (the caller gave up while the call was still queued or being delivered).
 _CANCEL_MEMORY_S = 600.0
-
-
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    nats_url: str
-    worker_id: str = field(default_factory=default_worker_id)
-    heartbeat_interval_s: float = 2.0
-    pull_expires_s: float = 10.0
-    drain_grace_s: float = 30.0
-    nak_delay_s: float = 1.0
-    headroom: HeadroomPolicy = field(default_factory=HeadroomPolicy)
-    stream: StreamSettings = field(default_factory=StreamSettings)
 
 
 class _StopReason:
@@ -147,16 +127,17 @@ class WorkerCounters:
 
 
 class Worker:
-    def __init__(self, engine: Engine, options: WorkerOptions) -> None:
+    def __init__(self, engine: Engine, settings: WorkerSettings) -> None:
         self.engine = engine
-        self.options = options
+        self.settings = settings
+        self.policy = settings.headroom.policy()
         self.counters = WorkerCounters()
         self._nc: NATS | None = None
         self._kv: KeyValue | None = None
         self._pullers: dict[Tier, TierPuller] = {}
         self._staged: dict[str, _Call] = {}
         self._running: dict[str, _Call] = {}
-        self._est_call_tokens = float(options.headroom.default_call_tokens)
+        self._est_call_tokens = float(self.policy.default_call_tokens)
         self._held_since: dict[Tier, float] = {}
         self._changed = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -178,15 +159,15 @@ class Worker:
     async def run(self) -> None:
         """Serve until ``request_stop()`` (or a dead engine, which is re-raised)."""
         self._nc = await nats.connect(
-            self.options.nats_url,
-            name=f"kvgate-worker {self.options.worker_id}",
+            self.settings.nats_url,
+            name=f"kvgate-worker {self.settings.worker_id}",
             max_reconnect_attempts=-1,
         )
         try:
             js = self.nc.jetstream()
-            await provision_calls(js, self.options.stream, self.engine.model_name)
-            await provision_results(js, self.options.stream)
-            self._kv = await workers_bucket(js, self.options.stream)
+            await provision_calls(js, self.settings.stream, self.engine.model_name)
+            await provision_results(js, self.settings.stream)
+            self._kv = await workers_bucket(js, self.settings.stream)
             cancel_sub = await self.nc.subscribe(f"{CANCEL_SUBJECT_PREFIX}*", cb=self._on_cancel)
             for tier in TIERS_BY_PRIORITY:
                 puller = TierPuller(
@@ -195,12 +176,12 @@ class Worker:
                     self.engine.model_name,
                     self._on_message,
                     self._changed.set,
-                    expires_s=self.options.pull_expires_s,
+                    expires_s=self.settings.pull_expires_s,
                 )
                 await puller.start()
                 self._pullers[tier] = puller
             heartbeat = asyncio.create_task(self._heartbeat_loop())
-            log.info("worker %s serving %s", self.options.worker_id, self.engine.model_name)
+            log.info("worker %s serving %s", self.settings.worker_id, self.engine.model_name)
             try:
                 await self._intake_loop()
                 await self._drain()
@@ -242,7 +223,7 @@ class Worker:
             self._engine_stats(),
             committed_tokens=self._committed_tokens(),
             committed_seqs=len(self._running),
-            policy=self.options.headroom,
+            policy=self.policy,
         )
 
     def _start_what_fits(self, now: float) -> None:
@@ -253,7 +234,7 @@ class Worker:
             self._room(),
             engine_idle=not self._running,
             now_s=now,
-            policy=self.options.headroom,
+            policy=self.policy,
             running=self._loads(),
         )
         room = self._room() if chosen else None
@@ -295,7 +276,7 @@ class Worker:
             capacity_tokens=self.engine.stats().kv_capacity_tokens,
             est_call_tokens=int(self._est_call_tokens),
             engine_idle=not self._running,
-            policy=self.options.headroom,
+            policy=self.policy,
         )
         plain = [
             TierView(t, self._pullers[t].outstanding, self._pullers[t].backlog)
@@ -307,7 +288,7 @@ class Worker:
                 self._held_since.setdefault(tier, now)
             else:
                 self._held_since.pop(tier, None)
-        starvation = self.options.headroom.starvation_s
+        starvation = self.policy.starvation_s
         views = [
             TierView(
                 v.tier,
@@ -321,9 +302,9 @@ class Worker:
             await self._pullers[tier].request(n)
 
     def _next_wake_s(self) -> float:
-        wake = self.options.pull_expires_s
+        wake = self.settings.pull_expires_s
         if self._held_since:
-            wake = min(wake, self.options.headroom.starvation_s / 2)
+            wake = min(wake, self.policy.starvation_s / 2)
         if self._staged:
             now_ms = time.time() * 1000
             soonest = min(c.envelope.deadline_ms for c in self._staged.values())
@@ -372,7 +353,7 @@ class Worker:
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
             log.error("malformed call message, terminated: %s", exc)
             if inbox:
-                await ReplyRelay(self.nc, inbox, attempt, self.options.worker_id).fail(
+                await ReplyRelay(self.nc, inbox, attempt, self.settings.worker_id).fail(
                     ErrorCode.INTERNAL_ERROR, f"malformed call message: {exc}"
                 )
             await msg.term()
@@ -382,12 +363,12 @@ class Worker:
             relay = ResultRelay(self.nc.jetstream(), result_subject, envelope.call_id, attempt)
         else:
             assert inbox is not None
-            relay = ReplyRelay(self.nc, inbox, attempt, self.options.worker_id)
+            relay = ReplyRelay(self.nc, inbox, attempt, self.settings.worker_id)
         call_id = envelope.call_id
         if call_id in self._running or call_id in self._staged or call_id in self._preparing:
             await msg.nak()  # a second delivery while the first is still here
             return
-        spans = CallTrace.arrived(msg, envelope, attempt, self.options.worker_id)
+        spans = CallTrace.arrived(msg, envelope, attempt, self.settings.worker_id)
         if call_id in self._cancelled:
             self.counters.cancelled += 1
             spans.refused("cancelled")
@@ -417,7 +398,7 @@ class Worker:
         except EngineError as exc:
             spans.refused("engine_error")
             log.warning("could not prepare call %s: %s", call_id, exc)
-            await msg.nak(delay=self.options.nak_delay_s)
+            await msg.nak(delay=self.settings.nak_delay_s)
             return
         finally:
             self._preparing.discard(call_id)
@@ -541,7 +522,7 @@ class Worker:
 
     async def _engine_failed(self, call: _Call, exc: EngineError) -> None:
         attempt = int(call.msg.metadata.num_delivered or 1)
-        if attempt >= self.options.stream.max_deliver:
+        if attempt >= self.settings.stream.max_deliver:
             self.counters.failed += 1
             await call.relay.fail(
                 ErrorCode.ENGINE_ERROR, f"engine failed on all {attempt} attempts: {exc}"
@@ -550,10 +531,10 @@ class Worker:
         else:
             log.warning("engine error on attempt %d, handing back: %s", attempt, exc)
             self.counters.handed_back += 1
-            await call.msg.nak(delay=self.options.nak_delay_s)
+            await call.msg.nak(delay=self.settings.nak_delay_s)
 
     async def _keep_in_progress(self, msg: Msg) -> None:
-        interval = max(self.options.stream.ack_wait_s / 3, 0.1)
+        interval = max(self.settings.stream.ack_wait_s / 3, 0.1)
         while True:
             await asyncio.sleep(interval)
             with contextlib.suppress(Exception):
@@ -605,7 +586,7 @@ class Worker:
         tasks = [c.task for c in self._running.values() if c.task is not None]
         if not tasks:
             return
-        grace = self.options.drain_grace_s
+        grace = self.settings.drain_grace_s
         log.info("draining %d running calls (grace %.0fs)", len(tasks), grace)
         _, pending = await asyncio.wait(tasks, timeout=grace)
         for call in list(self._running.values()):
@@ -620,7 +601,7 @@ class Worker:
     def heartbeat(self, *, draining: bool = False) -> WorkerHeartbeat:
         stats = self._engine_stats()
         return WorkerHeartbeat(
-            worker_id=self.options.worker_id,
+            worker_id=self.settings.worker_id,
             model=self.engine.model_name,
             sent_ms=int(time.time() * 1000),
             kv_cache_usage=stats.kv_cache_usage,
@@ -642,7 +623,7 @@ class Worker:
 
     async def _put_heartbeat(self, *, draining: bool = False) -> None:
         if self._kv is not None:
-            await self._kv.put(self.options.worker_id, encode(self.heartbeat(draining=draining)))
+            await self._kv.put(self.settings.worker_id, encode(self.heartbeat(draining=draining)))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -650,9 +631,9 @@ class Worker:
                 await self._put_heartbeat()
             except Exception as exc:  # a missed beat must not stop serving; the TTL covers it
                 log.warning("heartbeat failed: %s", exc)
-            await asyncio.sleep(self.options.heartbeat_interval_s)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def _remove_heartbeat(self) -> None:
         if self._kv is not None:
             with contextlib.suppress(Exception):
-                await self._kv.delete(self.options.worker_id)
+                await self._kv.delete(self.settings.worker_id)
