@@ -25,8 +25,9 @@ from broker.admission.redis_store import RedisAdmissionState
 from broker.admission.signals import FleetSignals
 from broker.admission.state import AdmissionState, MemoryAdmissionState
 from broker.admission.tenants import load_tenancy
+from broker.db import engine_url, make_engine
 from broker.fleet import FleetView, FleetWatcher
-from broker.ledger import Ledger, engine_url, make_engine
+from broker.ledger import Ledger
 from broker.publisher import CallPublisher
 from broker.settings import ApiSettings
 from broker.streams import provision_calls, provision_results, workers_bucket

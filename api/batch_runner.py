@@ -40,8 +40,8 @@ from broker import batches as store
 from broker.admission import needs
 from broker.admission.admitter import Admitter
 from broker.batches import BatchRow, BatchStatus, LineRow, LineStatus
+from broker.db import utcnow
 from broker.errors import KvgateError, Refused, RetryableError
-from broker.ledger import utcnow
 from broker.publisher import CallPublisher
 from broker.settings import ApiSettings
 from broker.streams import COLLECTOR

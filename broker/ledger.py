@@ -1,7 +1,7 @@
 """The ledger: every admission decision, with the signals it saw, in SQL (SQLModel).
 
-SQLite file by default, PostgreSQL with ``KVGATE_DATABASE_URL``; the schema is owned by the
-Alembic migrations in ``broker/migrations`` (the front door upgrades to head at start-up).
+SQLite file by default, PostgreSQL with ``KVGATE_DATABASE_URL``; the engine, the schema's
+migrations and the clock rows are stamped with are ``broker.db``'s.
 
 Writes never sit on the request path: ``record`` puts the entry on a bounded queue and returns;
 a background task writes batches from a worker thread. When the queue is full (the database is
@@ -15,22 +15,17 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from pathlib import Path
+from datetime import datetime
 from typing import Any
 
-from alembic import command
-from alembic.config import Config
-from sqlalchemy import JSON, BigInteger, Column, Integer, create_engine, event, insert, text
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy import JSON, BigInteger, Column, Integer, insert
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.pool import NullPool
 from sqlmodel import Field, Session, SQLModel, select
 
-log = logging.getLogger(__name__)
+from broker.db import make_engine, migrate
 
-MIGRATIONS = Path(__file__).with_name("migrations")
-_MIGRATION_LOCK = 0x6B7667617465  # "kvgate"
+log = logging.getLogger(__name__)
 
 
 class AdmissionRecord(SQLModel, table=True):
@@ -54,59 +49,7 @@ class AdmissionRecord(SQLModel, table=True):
     signals: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
 
 
-metadata = SQLModel.metadata
 _TABLE = AdmissionRecord.__table__  # type: ignore[attr-defined]
-
-
-def engine_url(url: str) -> str:
-    """Accept plain ``postgresql://`` URLs, using the psycopg 3 driver kvgate installs."""
-    parsed = make_url(url)
-    if parsed.drivername in ("postgresql", "postgres"):
-        parsed = parsed.set(drivername="postgresql+psycopg")
-    return parsed.render_as_string(hide_password=False)
-
-
-def make_engine(url: str) -> Engine:
-    url = engine_url(url)
-    parsed = make_url(url)
-    if not parsed.drivername.startswith("sqlite"):
-        return create_engine(url, pool_pre_ping=True)
-    if parsed.database:
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, pool_pre_ping=True)
-
-    @event.listens_for(engine, "connect")
-    def _sqlite_pragmas(conn: Any, _: Any) -> None:
-        # WAL: readers (an operator's query) never block the writer; NORMAL: one fsync per
-        # checkpoint rather than per commit, still crash-safe for the database file.
-        cursor = conn.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.close()
-
-    return engine
-
-
-def migrate(url: str) -> None:
-    """Upgrade the database at ``url`` to the newest schema (idempotent)."""
-    url = engine_url(url)
-    parsed = make_url(url)
-    if parsed.drivername.startswith("sqlite") and parsed.database:
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
-    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    engine = create_engine(url, poolclass=NullPool)
-    try:
-        with engine.begin() as conn:
-            if conn.dialect.name == "postgresql":
-                # Replicas starting together: one migrates, the others wait, then find the
-                # schema at head. The lock ends with the transaction.
-                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
-            config.attributes["connection"] = conn
-            command.upgrade(config, "head")
-    finally:
-        engine.dispose()
 
 
 @dataclass
@@ -221,7 +164,3 @@ class Ledger:
         with Session(self._engine) as session:
             query = select(AdmissionRecord).order_by(AdmissionRecord.id.desc()).limit(limit)  # type: ignore[union-attr]
             return list(session.exec(query))
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, inspect
 
-from broker.ledger import Ledger, LedgerEntry, engine_url, migrate, utcnow
+from broker.db import engine_url, migrate, utcnow
+from broker.ledger import Ledger, LedgerEntry
 from tests.databases import postgres_database
 
 

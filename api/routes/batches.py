@@ -32,8 +32,8 @@ from broker.batches import (
     error_file_id,
     output_file_id,
 )
+from broker.db import utcnow
 from broker.errors import InvalidRequest, KvgateError
-from broker.ledger import utcnow
 from schemas.vocab import ErrorCode, Tier
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])

@@ -21,9 +21,9 @@ from api.deps import FrontDoorDep, TenantDep
 from broker import batches as store
 from broker import files
 from broker.batches import LineRow, LineStatus, result_file
+from broker.db import utcnow
 from broker.errors import InvalidRequest, KvgateError
 from broker.files import FileMeta
-from broker.ledger import utcnow
 from schemas.vocab import ErrorCode
 
 router = APIRouter(prefix="/v1/files", tags=["files"])

@@ -51,8 +51,9 @@ from broker.admission.state import (
     TenantLimits,
 )
 from broker.admission.tenants import Tenancy, Tenant
+from broker.db import utcnow
 from broker.errors import AdmissionUnavailable, Refused
-from broker.ledger import Ledger, LedgerEntry, utcnow
+from broker.ledger import Ledger, LedgerEntry
 from broker.settings import ApiSettings
 from broker.telemetry import tracer
 from schemas.vocab import Decision, Reason, SessionState, Tier

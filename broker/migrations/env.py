@@ -1,12 +1,16 @@
-"""Alembic environment for the kvgate ledger. Run through ``broker.ledger.migrate`` (the front
-door migrates at start-up), or ``alembic -c`` pointing here with ``sqlalchemy.url`` set."""
+"""Alembic environment for kvgate's database. Run through ``broker.db.migrate`` (the front door
+migrates at start-up), or ``alembic -c`` pointing here with ``sqlalchemy.url`` set."""
 
 from __future__ import annotations
 
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
-from broker.ledger import metadata
+# The modules that declare tables, imported so that their tables are in the metadata.
+import broker.batches
+import broker.files
+import broker.ledger  # noqa: F401
+from broker.db import metadata
 
 config = context.config
 
@@ -19,7 +23,7 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     given = config.attributes.get("connection")
-    if given is not None:  # broker.ledger.migrate holds the connection (and its lock)
+    if given is not None:  # broker.db.migrate holds the connection (and its lock)
         context.configure(connection=given, target_metadata=metadata)
         with context.begin_transaction():
             context.run_migrations()
