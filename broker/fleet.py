@@ -15,7 +15,7 @@ from collections import deque
 import msgspec
 from nats.js.kv import KeyValue
 
-from broker.tables import text_table
+from broker.text_tables import text_table
 from schemas.wire import WorkerHeartbeat, decode_heartbeat
 
 log = logging.getLogger(__name__)

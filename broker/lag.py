@@ -13,7 +13,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo
 from nats.js.errors import NotFoundError
 
-from broker.tables import text_table
+from broker.text_tables import text_table
 from schemas.vocab import TIERS_BY_PRIORITY, Tier
 from schemas.wire import CALL_SUBJECT_PREFIX, STREAM_NAME
 
