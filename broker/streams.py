@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js import api as js_api
@@ -37,33 +38,60 @@ from schemas.wire import (
 log = logging.getLogger(__name__)
 
 
-def stream_config(settings: StreamSettings) -> js_api.StreamConfig:
+def _work_queue(
+    settings: StreamSettings, name: str, description: str, subjects: list[str], **extra: Any
+) -> js_api.StreamConfig:
+    """Both of kvgate's streams: a message is removed once acked, kept on file, replicated
+    and de-duplicated as the settings say."""
     return js_api.StreamConfig(
-        name=STREAM_NAME,
-        description="kvgate agent calls, one subject per service tier and model",
-        subjects=[f"{CALL_SUBJECT_PREFIX}>"],
+        name=name,
+        description=description,
+        subjects=subjects,
         retention=js_api.RetentionPolicy.WORK_QUEUE,
-        discard=js_api.DiscardPolicy.NEW,
         storage=js_api.StorageType.FILE,
+        num_replicas=settings.replicas,
+        duplicate_window=settings.duplicate_window_s,
+        **extra,
+    )
+
+
+def _explicit_ack(
+    settings: StreamSettings, durable: str, description: str, **extra: Any
+) -> js_api.ConsumerConfig:
+    """Both kinds of durable consumer: every message acked by hand, redelivered after the
+    settings' ``ack_wait_s`` unless its holder says it is still working on it."""
+    return js_api.ConsumerConfig(
+        durable_name=durable,
+        description=description,
+        deliver_policy=js_api.DeliverPolicy.ALL,
+        ack_policy=js_api.AckPolicy.EXPLICIT,
+        ack_wait=settings.ack_wait_s,
+        max_ack_pending=settings.max_ack_pending,
+        num_replicas=settings.replicas,
+        **extra,
+    )
+
+
+def stream_config(settings: StreamSettings) -> js_api.StreamConfig:
+    return _work_queue(
+        settings,
+        STREAM_NAME,
+        "kvgate agent calls, one subject per service tier and model",
+        [f"{CALL_SUBJECT_PREFIX}>"],
+        discard=js_api.DiscardPolicy.NEW,
         max_msgs=settings.max_msgs,
         max_bytes=settings.max_bytes,
-        num_replicas=settings.replicas,
         allow_msg_ttl=True,
-        duplicate_window=settings.duplicate_window_s,
     )
 
 
 def consumer_config(tier: Tier, model: str, settings: StreamSettings) -> js_api.ConsumerConfig:
-    return js_api.ConsumerConfig(
-        durable_name=consumer_name(tier, model),
-        description=f"kvgate workers serving {model}, tier {tier.value}",
+    return _explicit_ack(
+        settings,
+        consumer_name(tier, model),
+        f"kvgate workers serving {model}, tier {tier.value}",
         filter_subject=call_subject(tier, model),
-        deliver_policy=js_api.DeliverPolicy.ALL,
-        ack_policy=js_api.AckPolicy.EXPLICIT,
-        ack_wait=settings.ack_wait_s,
         max_deliver=settings.max_deliver,
-        max_ack_pending=settings.max_ack_pending,
-        num_replicas=settings.replicas,
     )
 
 
@@ -94,15 +122,12 @@ COLLECTOR = "kvgate-collector"
 
 
 def results_config(settings: StreamSettings) -> js_api.StreamConfig:
-    return js_api.StreamConfig(
-        name=RESULTS_STREAM,
-        description="kvgate batch call results, until collected into the database",
-        subjects=[f"{RESULT_SUBJECT_PREFIX}*"],
-        retention=js_api.RetentionPolicy.WORK_QUEUE,
-        storage=js_api.StorageType.FILE,
-        num_replicas=settings.replicas,
+    return _work_queue(
+        settings,
+        RESULTS_STREAM,
+        "kvgate batch call results, until collected into the database",
+        [f"{RESULT_SUBJECT_PREFIX}*"],
         max_age=7 * 24 * 3600.0,
-        duplicate_window=settings.duplicate_window_s,
     )
 
 
@@ -110,14 +135,8 @@ async def provision_results(js: JetStreamContext, settings: StreamSettings) -> N
     await _ensure_stream(js, results_config(settings))
     await js.add_consumer(
         RESULTS_STREAM,
-        js_api.ConsumerConfig(
-            durable_name=COLLECTOR,
-            description="kvgate front doors writing batch results to the database",
-            deliver_policy=js_api.DeliverPolicy.ALL,
-            ack_policy=js_api.AckPolicy.EXPLICIT,
-            ack_wait=30.0,
-            max_ack_pending=10_000,
-            num_replicas=settings.replicas,
+        _explicit_ack(
+            settings, COLLECTOR, "kvgate front doors writing batch results to the database"
         ),
     )
 
