@@ -51,7 +51,7 @@ from broker.admission.state import (
     TenantLimits,
 )
 from broker.admission.tenants import Tenancy, Tenant
-from broker.errors import AdmissionUnavailable, Refused
+from broker.errors import AdmissionUnavailable, Refused, error_class
 from broker.ledger import Ledger, LedgerEntry, utcnow
 from broker.settings import ApiSettings
 from broker.telemetry import tracer
@@ -345,8 +345,7 @@ class Admitter:
                 decision.reason.value,
                 decision.retry_after_s,
             )
-            raise Refused(
-                decision.reason.error_code,
+            raise error_class(decision.reason.error_code, Refused)(
                 _MESSAGES[decision.reason],
                 decision=decision.decision.value,
                 retry_after=decision.retry_after_s,
