@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import Request
 
 from api.chat_request import check_known_model, parse_chat_request, parse_json_object
-from broker.errors import InvalidRequest, KvgateError
+from broker.errors import InvalidParameter, InvalidRequest, InvalidTier
 from broker.settings import ApiSettings
 from schemas.vocab import ErrorCode, Tier
 
@@ -66,8 +66,7 @@ def completion_window_s(raw: object) -> int:
     if match:
         seconds = int(match.group(1)) * (3600 if match.group(2) == "h" else 60)
     if not MIN_WINDOW_S <= seconds <= MAX_WINDOW_S:
-        raise InvalidRequest(
-            ErrorCode.INVALID_PARAMETER,
+        raise InvalidParameter(
             "completion_window must be between '1h' and '24h' (for example '24h' or '90m')",
             param="completion_window",
         )
@@ -81,9 +80,7 @@ def batch_tier(raw: object) -> Tier | None:
         return Tier(str(raw).strip().lower())
     except ValueError:
         names = ", ".join(t.value for t in Tier)
-        raise InvalidRequest(
-            ErrorCode.INVALID_TIER, f"unknown tier {raw!r}; tiers are {names}", param="tier"
-        ) from None
+        raise InvalidTier(f"unknown tier {raw!r}; tiers are {names}", param="tier") from None
 
 
 def is_jsonl(request: Request) -> bool:
@@ -111,7 +108,6 @@ def parse_submission(
         requests = obj.get("requests")
         if not isinstance(requests, list):
             raise InvalidRequest(
-                ErrorCode.INVALID_REQUEST,
                 "'requests' must be a list of batch lines (or upload JSONL with "
                 "content-type application/jsonl)",
                 param="requests",
@@ -120,9 +116,7 @@ def parse_submission(
         options = {**dict(params), **obj}
         metadata = obj.get("metadata") or {}
         if not isinstance(metadata, dict):
-            raise InvalidRequest(
-                ErrorCode.INVALID_PARAMETER, "metadata must be an object", param="metadata"
-            )
+            raise InvalidParameter("metadata must be an object", param="metadata")
     return parse_lines(raw_lines, options, metadata, settings, models)
 
 
@@ -132,9 +126,7 @@ def parse_file_submission(
     """A batch made from an uploaded JSONL file (OpenAI's flow: ``input_file_id``)."""
     metadata = options.get("metadata") or {}
     if not isinstance(metadata, dict):
-        raise InvalidRequest(
-            ErrorCode.INVALID_PARAMETER, "metadata must be an object", param="metadata"
-        )
+        raise InvalidParameter("metadata must be an object", param="metadata")
     text = content.decode("utf-8", errors="replace")
     return parse_lines(list(text.split("\n")), options, metadata, settings, models)
 
@@ -157,10 +149,9 @@ def parse_lines(
         number += 1
         lines.append(_parse_line(number, raw, seen, settings, models))
     if not lines:
-        raise InvalidRequest(ErrorCode.INVALID_REQUEST, "the batch has no lines")
+        raise InvalidRequest("the batch has no lines")
     if len(lines) > settings.batch_max_lines:
         raise InvalidRequest(
-            ErrorCode.INVALID_REQUEST,
             f"a batch may have at most {settings.batch_max_lines} lines",
         )
     return BatchSubmission(window, tier, metadata, lines)
@@ -208,7 +199,7 @@ def _parse_line(
     try:
         chat = parse_chat_request(json.dumps(body).encode(), settings)
         check_known_model(chat.model, models)
-    except KvgateError as exc:
+    except InvalidRequest as exc:
         return _invalid(number, cid, exc.code, exc.message)
     if chat.stream:
         return _invalid(number, cid, ErrorCode.UNSUPPORTED_PARAMETER, "stream is not allowed")

@@ -21,7 +21,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from api.replies import ReplyEvent
 from api.state import FrontDoor
 from broker.admission.objectives import Objective
-from broker.errors import DeadlineExceeded, KvgateError
+from broker.errors import DeadlineExceeded, KvgateError, WorkerLost, error_class
 from broker.telemetry import inject_headers, tracer
 from schemas.vocab import ErrorCode
 from schemas.wire import (
@@ -104,8 +104,7 @@ async def follow_call(
                         "no worker started the call before its deadline "
                         f"({(call.deadline_ms - call.created_ms) / 1000:g}s)"
                     ) from None
-                raise KvgateError(
-                    ErrorCode.WORKER_LOST,
+                raise WorkerLost(
                     f"the worker sent nothing for {door.settings.stream_idle_timeout_s:g}s",
                 ) from None
             observed.events(batch)
@@ -225,6 +224,5 @@ class _CallObservation:
 
 
 def failure_error(event: Failed) -> KvgateError:
-    if event.code == ErrorCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded(event.message)
-    return KvgateError(event.code, event.message, param=event.param)
+    """The error of a worker's ``Failed`` event: its code's class, as if raised here."""
+    return error_class(event.code, KvgateError)(event.message, param=event.param)

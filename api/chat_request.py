@@ -20,10 +20,22 @@ from typing import Any, Final, TypeVar
 from fastapi import Request
 from pydantic import ValidationError
 
-from broker.errors import InvalidRequest
+from broker.errors import (
+    BodyTooLarge,
+    InvalidJson,
+    InvalidMaxTokens,
+    InvalidMessages,
+    InvalidParameter,
+    InvalidRequest,
+    InvalidTier,
+    MaxTokensTooLarge,
+    MissingMessages,
+    ModelNotFound,
+    UnsupportedParameter,
+)
 from broker.settings import ApiSettings
 from schemas.openai import ChatCompletionRequest, CompletionRequest, MessagesRequest
-from schemas.vocab import Endpoint, ErrorCode, Tier
+from schemas.vocab import Endpoint, Tier
 from schemas.wire import CallEnvelope
 
 TIMEOUT_HEADER = "X-Kvgate-Timeout"
@@ -51,7 +63,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def _too_large(limit: int) -> InvalidRequest:
-    return InvalidRequest(ErrorCode.BODY_TOO_LARGE, f"request body exceeds {limit} bytes")
+    return BodyTooLarge(f"request body exceeds {limit} bytes")
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -59,11 +71,9 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     try:
         raw: Any = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(
-            ErrorCode.INVALID_JSON, f"request body is not valid JSON: {exc}"
-        ) from None
+        raise InvalidJson(f"request body is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
-        raise InvalidRequest(ErrorCode.INVALID_REQUEST, "request body must be a JSON object")
+        raise InvalidRequest("request body must be a JSON object")
     return raw
 
 
@@ -76,21 +86,20 @@ _KVGATE_DECIDES: Final = {
 def parse_chat_request(body: bytes, settings: ApiSettings) -> ChatCompletionRequest:
     raw = parse_json_object(body)
     if "messages" not in raw:
-        raise InvalidRequest(ErrorCode.MISSING_MESSAGES, "'messages' is required", param="messages")
+        raise MissingMessages("'messages' is required", param="messages")
     return _checked(ChatCompletionRequest, raw, settings)
 
 
 def parse_completion_request(body: bytes, settings: ApiSettings) -> CompletionRequest:
     raw = parse_json_object(body)
     if "prompt" not in raw:
-        raise InvalidRequest(ErrorCode.INVALID_REQUEST, "'prompt' is required", param="prompt")
+        raise InvalidRequest("'prompt' is required", param="prompt")
     call = _checked(CompletionRequest, raw, settings)
     prompt = call.prompt
     if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
         # Each prompt is a request of its own to the engine: sent as separate calls, each is
         # admitted, queued and fitted to the worker's headroom on its own.
-        raise InvalidRequest(
-            ErrorCode.UNSUPPORTED_PARAMETER,
+        raise UnsupportedParameter(
             "a list of several prompts is not accepted: send one call per prompt",
             param="prompt",
         )
@@ -100,20 +109,16 @@ def parse_completion_request(body: bytes, settings: ApiSettings) -> CompletionRe
 def parse_messages_request(body: bytes, settings: ApiSettings) -> MessagesRequest:
     raw = parse_json_object(body)
     if "messages" not in raw:
-        raise InvalidRequest(ErrorCode.MISSING_MESSAGES, "'messages' is required", param="messages")
+        raise MissingMessages("'messages' is required", param="messages")
     if "max_tokens" not in raw:
-        raise InvalidRequest(
-            ErrorCode.INVALID_MAX_TOKENS, "'max_tokens' is required", param="max_tokens"
-        )
+        raise InvalidMaxTokens("'max_tokens' is required", param="max_tokens")
     return _checked(MessagesRequest, raw, settings)
 
 
 def _checked(model: type[RequestT], raw: dict[str, Any], settings: ApiSettings) -> RequestT:
     for name, why in _KVGATE_DECIDES.items():
         if name in raw:
-            raise InvalidRequest(
-                ErrorCode.UNSUPPORTED_PARAMETER, f"'{name}' is not accepted: {why}", param=name
-            )
+            raise UnsupportedParameter(f"'{name}' is not accepted: {why}", param=name)
     try:
         call = model.model_validate(raw)
     except ValidationError as exc:
@@ -121,12 +126,9 @@ def _checked(model: type[RequestT], raw: dict[str, Any], settings: ApiSettings) 
     max_tokens = call.requested_max_tokens()
     if max_tokens is not None:
         if max_tokens < 1:
-            raise InvalidRequest(
-                ErrorCode.INVALID_MAX_TOKENS, "max_tokens must be at least 1", param="max_tokens"
-            )
+            raise InvalidMaxTokens("max_tokens must be at least 1", param="max_tokens")
         if max_tokens > settings.max_tokens_limit:
-            raise InvalidRequest(
-                ErrorCode.MAX_TOKENS_TOO_LARGE,
+            raise MaxTokensTooLarge(
                 f"max_tokens {max_tokens} exceeds this server's limit of "
                 f"{settings.max_tokens_limit}",
                 param="max_tokens",
@@ -138,8 +140,7 @@ def check_known_model(model: str, known: Collection[str]) -> None:
     """``model_not_found`` (404) for a model no worker of this fleet serves."""
     if model not in known:
         served = ", ".join(repr(m) for m in sorted(known))
-        raise InvalidRequest(
-            ErrorCode.MODEL_NOT_FOUND,
+        raise ModelNotFound(
             f"model {model!r} does not exist; this fleet serves {served}",
             param="model",
         )
@@ -151,14 +152,14 @@ def _from_validation_error(exc: ValidationError) -> InvalidRequest:
     field = loc[0] if loc else ""
     message = f"{'.'.join(loc) or 'body'}: {first['msg']}"
     if field == "messages":
-        return InvalidRequest(ErrorCode.INVALID_MESSAGES, message, param="messages")
+        return InvalidMessages(message, param="messages")
     if field == "prompt":
-        return InvalidRequest(ErrorCode.INVALID_REQUEST, message, param="prompt")
+        return InvalidRequest(message, param="prompt")
     if field in ("max_tokens", "max_completion_tokens"):
-        return InvalidRequest(ErrorCode.INVALID_MAX_TOKENS, message, param=field)
+        return InvalidMaxTokens(message, param=field)
     if field == "model":
-        return InvalidRequest(ErrorCode.INVALID_REQUEST, message, param="model")
-    return InvalidRequest(ErrorCode.INVALID_PARAMETER, message, param=field or None)
+        return InvalidRequest(message, param="model")
+    return InvalidParameter(message, param=field or None)
 
 
 def call_timeout_s(request: Request, settings: ApiSettings) -> float:
@@ -170,8 +171,7 @@ def call_timeout_s(request: Request, settings: ApiSettings) -> float:
     except ValueError:
         value = math.nan
     if not (0 < value <= settings.max_deadline_s):
-        raise InvalidRequest(
-            ErrorCode.INVALID_PARAMETER,
+        raise InvalidParameter(
             f"{TIMEOUT_HEADER} must be a number of seconds in (0, {settings.max_deadline_s:g}]",
             param=TIMEOUT_HEADER,
         )
@@ -190,9 +190,7 @@ def call_tier(request: Request, settings: ApiSettings, ceiling: Tier | None = No
         return Tier(raw.strip().lower())
     except ValueError:
         names = ", ".join(t.value for t in Tier)
-        raise InvalidRequest(
-            ErrorCode.INVALID_TIER, f"unknown tier {raw!r}; tiers are {names}", param=TIER_HEADER
-        ) from None
+        raise InvalidTier(f"unknown tier {raw!r}; tiers are {names}", param=TIER_HEADER) from None
 
 
 def to_envelope(

@@ -13,9 +13,8 @@ from fastapi import Depends, Request
 
 from api.state import FrontDoor
 from broker.admission.tenants import Tenant
-from broker.errors import KvgateError
+from broker.errors import Unauthorized
 from broker.settings import ApiSettings
-from schemas.vocab import ErrorCode
 
 
 def front_door_of(request: Request) -> FrontDoor:
@@ -47,8 +46,7 @@ async def get_tenant(request: Request) -> Tenant:
         given = request.headers.get("x-api-key")  # Anthropic's clients send it there
     tenant = door.admitter.tenancy.authenticate(given)
     if tenant is None:
-        raise KvgateError(
-            ErrorCode.UNAUTHORIZED,
+        raise Unauthorized(
             "missing or unknown API key: send 'Authorization: Bearer <key>'"
             if header
             else "missing API key: send 'Authorization: Bearer <key>'",

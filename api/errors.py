@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from broker.errors import KvgateError
+from broker.errors import Cancelled, InternalError, InvalidRequest, KvgateError
 from schemas.openai import ErrorBody, ErrorDetail
 from schemas.vocab import Endpoint, ErrorCode
 
@@ -131,8 +131,7 @@ def install_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
         return error_response(
-            KvgateError(
-                ErrorCode.INVALID_REQUEST,
+            InvalidRequest(
                 str(first.get("msg", "invalid request")),
                 param=".".join(loc) or None,
             ),
@@ -154,13 +153,11 @@ def install_error_handlers(app: FastAPI) -> None:
         # The caller went away before its request was read (an agent giving up on a call at
         # its deadline does this): nothing was admitted or queued, and nobody reads the answer.
         log.debug("client disconnected before its request was read")
-        return error_response(
-            KvgateError(ErrorCode.CANCELLED, "the client disconnected before its request was read")
-        )
+        return error_response(Cancelled("the client disconnected before its request was read"))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return error_response(KvgateError(ErrorCode.INTERNAL_ERROR, "internal error"), request)
+        return error_response(InternalError("internal error"), request)
 
     app.add_exception_handler(KvgateError, on_kvgate_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

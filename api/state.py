@@ -17,11 +17,10 @@ from api.replies import ReplyRouter
 from broker.admission.admitter import Admitter
 from broker.admission.leases import SessionLeases
 from broker.admission.signals import FleetSignals
-from broker.errors import Refused
+from broker.errors import NoWorkers
 from broker.fleet import FleetView, FleetWatcher
 from broker.publisher import CallPublisher
 from broker.settings import ApiSettings
-from schemas.vocab import ErrorCode
 
 
 @dataclass
@@ -54,8 +53,7 @@ class FrontDoor:
         if model in self.fleet.models(int(time.time() * 1000)):
             return
         check_known_model(model, self.known_models())
-        raise Refused(
-            ErrorCode.NO_WORKERS,
+        raise NoWorkers(
             f"no live worker serves model {model!r}",
             decision="defer",
             retry_after=math.ceil(self.admitter.policy.default_retry_after_s),

@@ -15,11 +15,13 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from broker.errors import InternalError
 from broker.procs import Proc
 
 
-class NatsServerError(RuntimeError):
-    pass
+class NatsServerError(InternalError):
+    """The nats-server binary is missing, would not start, or is not running: an operator's
+    problem, never a caller's."""
 
 
 def find_binary() -> str:

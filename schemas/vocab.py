@@ -54,7 +54,8 @@ _ENDPOINT_PATHS = {
 
 
 class ErrorCode(enum.StrEnum):
-    """Every error code kvgate puts in front of a caller, on HTTP or in a reply event."""
+    """Every error code kvgate puts in front of a caller, on HTTP or in a reply event. Each has
+    exactly one exception class in ``broker.errors``."""
 
     # Request shape (HTTP 400/404/413/415/422).
     INVALID_JSON = "invalid_json"
@@ -108,19 +109,20 @@ class Decision(enum.StrEnum):
 
 
 class Reason(enum.StrEnum):
-    """Why admission decided what it did. Every refusal reason is also an ``ErrorCode``."""
+    """Why admission decided what it did. A refusal's reason is the ``ErrorCode`` its caller
+    sees (its class in ``broker.errors`` is a ``Refused``), so its value is taken from there."""
 
     ADMITTED = "admitted"
     ADMITTED_DEGRADED = "admitted_degraded"
     """Admitted against this replica's local budget while the shared state was unreachable."""
-    TENANT_QUOTA = "tenant_quota"
-    TIER_CAPACITY = "tier_capacity"
-    FLEET_SATURATED = "fleet_saturated"
-    DEADLINE_INFEASIBLE = "deadline_infeasible"
-    EXCEEDS_CAPACITY = "exceeds_capacity"
-    NO_WORKERS = "no_workers"
-    DRAINING = "draining"
-    ADMISSION_UNAVAILABLE = "admission_unavailable"
+    TENANT_QUOTA = ErrorCode.TENANT_QUOTA.value
+    TIER_CAPACITY = ErrorCode.TIER_CAPACITY.value
+    FLEET_SATURATED = ErrorCode.FLEET_SATURATED.value
+    DEADLINE_INFEASIBLE = ErrorCode.DEADLINE_INFEASIBLE.value
+    EXCEEDS_CAPACITY = ErrorCode.EXCEEDS_CAPACITY.value
+    NO_WORKERS = ErrorCode.NO_WORKERS.value
+    DRAINING = ErrorCode.DRAINING.value
+    ADMISSION_UNAVAILABLE = ErrorCode.ADMISSION_UNAVAILABLE.value
 
     @property
     def error_code(self) -> ErrorCode:

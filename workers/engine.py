@@ -4,11 +4,12 @@ One real implementation (``workers.vllm_engine.VllmEngine``, on GPU or on CPU wi
 code). The worker never imports vLLM itself, so its pull loop and relay can be read and tested
 as plain asyncio code.
 
-Errors::
+Errors (their place in kvgate's tree is drawn in ``broker.errors``)::
 
-    EngineError
+    EngineError              engine_error: worth retrying on another worker
     ├── EngineRequestError   this call cannot run here (too long, bad parameters): do not retry
-    └── EngineDeadError      the engine is gone: every call in it is lost, the worker must exit
+    └── EngineDeadError      fatal: the engine is gone, every call in it is lost, the worker
+                             must exit
 """
 
 from __future__ import annotations
@@ -17,24 +18,21 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
+from broker.errors import EngineError as EngineError  # defined there: the front door needs it
 from schemas.vocab import Endpoint, ErrorCode, FinishReason
 
 
-class EngineError(Exception):
-    """Any failure of the engine; a plain ``EngineError`` is worth retrying elsewhere."""
-
-
 class EngineRequestError(EngineError):
-    """The engine's serving layer refused the request; ``message`` and ``param`` are its own."""
+    """The engine's serving layer refused the request; ``message`` and ``param`` are its own,
+    ``code`` the request error's (an ``InvalidRequest`` code), which the caller sees."""
 
     def __init__(self, code: ErrorCode, message: str, param: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(message, param=param)
         self.code = code
-        self.param = param
 
 
 class EngineDeadError(EngineError):
-    pass
+    """Fatal: the engine is gone. The worker hands its calls back and exits."""
 
 
 PROGRESS_S: Final = 2.0

@@ -10,17 +10,15 @@ import msgspec
 from fastapi import APIRouter, Depends, Request
 
 from api.deps import FrontDoorDep
-from broker.errors import KvgateError
+from broker.errors import Unauthorized
 from broker.lag import fleet_lag
-from schemas.vocab import ErrorCode
 
 
 async def require_admin(request: Request, door: FrontDoorDep) -> None:
     expected = door.settings.admin_token
     given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     if not expected or not given or not hmac.compare_digest(given, expected):
-        raise KvgateError(
-            ErrorCode.UNAUTHORIZED,
+        raise Unauthorized(
             "admin endpoints need 'Authorization: Bearer <KVGATE_ADMIN_TOKEN>'"
             + ("" if expected else " (no admin token is configured on this server)"),
         )

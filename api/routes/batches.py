@@ -33,8 +33,8 @@ from broker.batches import (
     output_file_id,
 )
 from broker.db import utcnow
-from broker.errors import InvalidRequest, KvgateError
-from schemas.vocab import ErrorCode, Tier
+from broker.errors import BatchNotFound, InvalidRequest, NotFound, UnsupportedParameter
+from schemas.vocab import Tier
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
@@ -50,8 +50,7 @@ async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) 
         input_file_id = str(obj["input_file_id"])
         endpoint = obj.get("endpoint", CHAT_URL)
         if endpoint != CHAT_URL:
-            raise InvalidRequest(
-                ErrorCode.UNSUPPORTED_PARAMETER,
+            raise UnsupportedParameter(
                 f"endpoint {endpoint!r} is not served in batches; use {CHAT_URL}",
                 param="endpoint",
             )
@@ -59,9 +58,7 @@ async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) 
             files.read_file, door.batch_engine, tenant.id, input_file_id
         )
         if found is None:
-            raise KvgateError(
-                ErrorCode.NOT_FOUND, f"no file {input_file_id!r}", param="input_file_id"
-            )
+            raise NotFound(f"no file {input_file_id!r}", param="input_file_id")
         options = {**request.query_params, **obj}
         submission = parse_file_submission(found[1], options, settings, door.known_models())
     else:
@@ -71,7 +68,6 @@ async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) 
     valid = [line for line in submission.lines if line.error is None]
     if not valid:
         raise InvalidRequest(
-            ErrorCode.INVALID_REQUEST,
             f"every line of the batch is invalid; first: {submission.errors[0].message}",
         )
     key = request.headers.get(IDEMPOTENCY_HEADER)
@@ -178,7 +174,7 @@ async def batch_results(batch_id: str, door: FrontDoorDep, tenant: TenantDep) ->
 async def _view(door: FrontDoorDep, tenant: str, batch_id: str) -> BatchView:
     view = await asyncio.to_thread(store.get_batch, door.batch_engine, tenant, batch_id)
     if view is None:  # another tenant's batch is indistinguishable from none
-        raise KvgateError(ErrorCode.BATCH_NOT_FOUND, f"no batch {batch_id!r}")
+        raise BatchNotFound(f"no batch {batch_id!r}")
     return view
 
 

@@ -41,9 +41,9 @@ from broker.admission import needs
 from broker.admission.objectives import Objective
 from broker.admission.state import SessionRecord
 from broker.admission.tenants import Tenant
-from broker.errors import InvalidRequest, KvgateError
+from broker.errors import Cancelled, InternalError, InvalidTier, KvgateError, WorkerLost
 from schemas.openai import ChatCompletionRequest, CompletionRequest, MessagesRequest
-from schemas.vocab import Endpoint, ErrorCode
+from schemas.vocab import Endpoint
 from schemas.wire import CallEnvelope, Done, Failed, TokenDelta
 
 router = APIRouter(tags=["chat"])
@@ -103,8 +103,7 @@ async def _serve_call(
         record = await door.leases.get(tenant, session_id.strip())
         named = request.headers.get(TIER_HEADER)
         if named is not None and call_tier(request, settings) is not record.tier:
-            raise InvalidRequest(
-                ErrorCode.INVALID_TIER,
+            raise InvalidTier(
                 f"{TIER_HEADER} {named!r} differs from the session's tier {record.tier.value!r}",
                 param=TIER_HEADER,
             )
@@ -198,7 +197,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        raise KvgateError(ErrorCode.CANCELLED, "the client disconnected")
+        raise Cancelled("the client disconnected")
     return task.result()
 
 
@@ -221,9 +220,9 @@ async def _collect(
                 raise failure_error(event)
             if isinstance(event, Done):
                 if event.body is None:
-                    raise KvgateError(ErrorCode.INTERNAL_ERROR, "the worker sent no body")
+                    raise InternalError("the worker sent no body")
                 return event.body, event.worker_id
-    raise KvgateError(ErrorCode.WORKER_LOST, "the reply ended without a terminal event")
+    raise WorkerLost("the reply ended without a terminal event")
 
 
 async def _sse(
@@ -254,9 +253,7 @@ async def _sse(
                 if sent_tokens:
                     # The client already holds events of the lost attempt; splicing another
                     # attempt's after them would corrupt the answer.
-                    yield error(
-                        KvgateError(ErrorCode.WORKER_LOST, "the worker was lost mid-stream")
-                    )
+                    yield error(WorkerLost("the worker was lost mid-stream"))
                     yield done
                     return
                 continue

@@ -22,9 +22,14 @@ from broker import batches as store
 from broker import files
 from broker.batches import LineRow, LineStatus, result_file
 from broker.db import utcnow
-from broker.errors import InvalidRequest, KvgateError
+from broker.errors import (
+    BodyTooLarge,
+    InvalidRequest,
+    NotFound,
+    UnsupportedMediaType,
+    UnsupportedParameter,
+)
 from broker.files import FileMeta
-from schemas.vocab import ErrorCode
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -37,26 +42,23 @@ async def create_file(request: Request, door: FrontDoorDep, tenant: TenantDep) -
     limit = door.settings.max_body_bytes * 64
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise InvalidRequest(ErrorCode.BODY_TOO_LARGE, f"the upload exceeds {limit} bytes")
+        raise BodyTooLarge(f"the upload exceeds {limit} bytes")
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise InvalidRequest(
-            ErrorCode.UNSUPPORTED_MEDIA_TYPE, "upload the file as multipart/form-data"
-        )
+        raise UnsupportedMediaType("upload the file as multipart/form-data")
     async with request.form(max_part_size=limit) as form:
         purpose = form.get("purpose")
         upload = form.get("file")
         if purpose not in PURPOSES:
-            raise InvalidRequest(
-                ErrorCode.UNSUPPORTED_PARAMETER,
+            raise UnsupportedParameter(
                 f"purpose must be one of {', '.join(PURPOSES)}",
                 param="purpose",
             )
         if not isinstance(upload, UploadFile):
-            raise InvalidRequest(ErrorCode.INVALID_REQUEST, "'file' is required", param="file")
+            raise InvalidRequest("'file' is required", param="file")
         content = await upload.read()
         filename = (upload.filename or "upload.jsonl")[:255]
     if len(content) > limit:
-        raise InvalidRequest(ErrorCode.BODY_TOO_LARGE, f"the upload exceeds {limit} bytes")
+        raise BodyTooLarge(f"the upload exceeds {limit} bytes")
     meta = FileMeta(f"file-{uuid.uuid4().hex}", str(purpose), filename, len(content), utcnow())
     await asyncio.to_thread(files.create_file, door.batch_engine, meta, tenant.id, content)
     return file_json(meta)
@@ -89,7 +91,7 @@ async def file_content(file_id: str, door: FrontDoorDep, tenant: TenantDep) -> R
 async def delete_file(file_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
     deleted = await asyncio.to_thread(files.delete_file, door.batch_engine, tenant.id, file_id)
     if not deleted:
-        raise KvgateError(ErrorCode.NOT_FOUND, f"no file {file_id!r}")
+        raise NotFound(f"no file {file_id!r}")
     return {"id": file_id, "object": "file", "deleted": True}
 
 
@@ -111,7 +113,7 @@ async def _find(door: FrontDoorDep, tenant: str, file_id: str) -> tuple[FileMeta
             return meta, content
     found = await asyncio.to_thread(files.read_file, door.batch_engine, tenant, file_id)
     if found is None:  # another tenant's file is indistinguishable from none
-        raise KvgateError(ErrorCode.NOT_FOUND, f"no file {file_id!r}")
+        raise NotFound(f"no file {file_id!r}")
     return found
 
 

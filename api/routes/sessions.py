@@ -12,9 +12,9 @@ from api.chat_request import parse_json_object, read_body
 from api.deps import FrontDoorDep, TenantDep
 from broker.admission import needs
 from broker.admission.state import SessionRecord
-from broker.errors import InvalidRequest
+from broker.errors import InvalidParameter, InvalidTier
 from schemas.sessions import SessionAdmission, SessionCreate, SessionLease, SessionOut
-from schemas.vocab import Decision, ErrorCode, Reason, Tier
+from schemas.vocab import Decision, Reason, Tier
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
@@ -39,15 +39,13 @@ async def create_session(request: Request, door: FrontDoorDep, tenant: TenantDep
     if max_wait_s is None:
         max_wait_s = settings.admission_max_wait_s
     elif max_wait_s > settings.admission_max_wait_s:
-        raise InvalidRequest(
-            ErrorCode.INVALID_PARAMETER,
+        raise InvalidParameter(
             f"max_wait_s must be at most {settings.admission_max_wait_s:g}",
             param="max_wait_s",
         )
     key = request.headers.get(IDEMPOTENCY_HEADER)
     if key is not None and not (0 < len(key) <= 255 and key.isprintable()):
-        raise InvalidRequest(
-            ErrorCode.INVALID_PARAMETER,
+        raise InvalidParameter(
             f"{IDEMPOTENCY_HEADER} must be 1-255 printable characters",
             param=IDEMPOTENCY_HEADER,
         )
@@ -84,14 +82,14 @@ def parse_session_create(raw_body: bytes) -> SessionCreate:
     raw = parse_json_object(raw_body)
     if "tier" not in raw:
         names = ", ".join(t.value for t in Tier)
-        raise InvalidRequest(ErrorCode.INVALID_TIER, f"'tier' is required ({names})", param="tier")
+        raise InvalidTier(f"'tier' is required ({names})", param="tier")
     try:
         return SessionCreate.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or None
-        code = ErrorCode.INVALID_TIER if field == "tier" else ErrorCode.INVALID_PARAMETER
-        raise InvalidRequest(code, f"{field or 'body'}: {first['msg']}", param=field) from None
+        invalid = InvalidTier if field == "tier" else InvalidParameter
+        raise invalid(f"{field or 'body'}: {first['msg']}", param=field) from None
 
 
 def session_out(record: SessionRecord, admission: SessionAdmission | None = None) -> SessionOut:

@@ -52,7 +52,7 @@ from broker.admission.state import (
 )
 from broker.admission.tenants import Tenancy, Tenant
 from broker.db import utcnow
-from broker.errors import AdmissionUnavailable, Refused
+from broker.errors import AdmissionUnavailable, Refused, error_class
 from broker.ledger import Ledger, LedgerEntry
 from broker.settings import ApiSettings
 from broker.telemetry import tracer
@@ -346,8 +346,7 @@ class Admitter:
                 decision.reason.value,
                 decision.retry_after_s,
             )
-            raise Refused(
-                decision.reason.error_code,
+            raise error_class(decision.reason.error_code, Refused)(
                 _MESSAGES[decision.reason],
                 decision=decision.decision.value,
                 retry_after=decision.retry_after_s,

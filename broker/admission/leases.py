@@ -16,8 +16,14 @@ from collections.abc import AsyncIterator
 from broker.admission.admitter import Admitter
 from broker.admission.state import SessionRecord, SlotStatus
 from broker.admission.tenants import Tenant
-from broker.errors import AdmissionUnavailable, DeadlineExceeded, KvgateError
-from schemas.vocab import ErrorCode, SessionState
+from broker.errors import (
+    AdmissionUnavailable,
+    DeadlineExceeded,
+    SessionClosed,
+    SessionExpired,
+    SessionNotFound,
+)
+from schemas.vocab import SessionState
 
 SLOT_POLL_S = 0.05
 """How often a call waiting for one of its session's slots asks again with no release seen here
@@ -35,9 +41,7 @@ class SessionLeases:
         now_ms = int(time.time() * 1000)
         record = await self.admitter.store_for(session_id).get(session_id, now_ms)
         if record is None or record.tenant != tenant.id:
-            raise KvgateError(
-                ErrorCode.SESSION_NOT_FOUND, f"no session {session_id!r}", param="session"
-            )
+            raise SessionNotFound(f"no session {session_id!r}", param="session")
         return record
 
     async def close(self, tenant: Tenant, session_id: str) -> SessionRecord:
@@ -46,9 +50,7 @@ class SessionLeases:
         store = self.admitter.store_for(session_id)
         record = await store.release(session_id, SessionState.CLOSED, now_ms)
         if record is None:  # its retention ran out between the two reads
-            raise KvgateError(
-                ErrorCode.SESSION_NOT_FOUND, f"no session {session_id!r}", param="session"
-            )
+            raise SessionNotFound(f"no session {session_id!r}", param="session")
         self.admitter.learn_pace(before, now_ms)
         self._wake(session_id)
         self.admitter.room_freed(session_id)
@@ -68,11 +70,11 @@ class SessionLeases:
             if status is SlotStatus.ACQUIRED:
                 break
             if status is SlotStatus.CLOSED:
-                raise KvgateError(ErrorCode.SESSION_CLOSED, f"session {record.id} is closed")
+                raise SessionClosed(f"session {record.id} is closed")
             if status is SlotStatus.EXPIRED:
-                raise KvgateError(ErrorCode.SESSION_EXPIRED, f"session {record.id} has expired")
+                raise SessionExpired(f"session {record.id} has expired")
             if status is SlotStatus.NOT_FOUND:
-                raise KvgateError(ErrorCode.SESSION_NOT_FOUND, f"no session {record.id!r}")
+                raise SessionNotFound(f"no session {record.id!r}")
             left_s = call_deadline_ms / 1000 - time.time()
             if left_s <= 0:
                 raise DeadlineExceeded(

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 from broker.admission.policy import SessionNeed
 from broker.admission.tenants import Tenancy, Tenant
-from broker.errors import InvalidRequest
+from broker.errors import InvalidParameter
 from broker.settings import ApiSettings
 from schemas.sessions import SessionCreate
-from schemas.vocab import ErrorCode, Tier
+from schemas.vocab import Tier
 from schemas.wire import CallEnvelope
 
 
@@ -27,29 +27,25 @@ def for_session(
     tier. A declaration past the operator's limits is refused by name (400), never cut."""
     tenant.require_tier(body.tier)
     if body.max_parallel > settings.session_max_parallel:
-        raise InvalidRequest(
-            ErrorCode.INVALID_PARAMETER,
+        raise InvalidParameter(
             f"max_parallel must be at most {settings.session_max_parallel}",
             param="max_parallel",
         )
     if body.min_parallel is not None and body.min_parallel > body.max_parallel:
-        raise InvalidRequest(
-            ErrorCode.INVALID_PARAMETER,
+        raise InvalidParameter(
             f"min_parallel ({body.min_parallel}) must not exceed max_parallel "
             f"({body.max_parallel})",
             param="min_parallel",
         )
     deadline_s = body.deadline_s or tenancy.tiers[body.tier].default_deadline_s
     if deadline_s > settings.max_deadline_s:
-        raise InvalidRequest(
-            ErrorCode.INVALID_PARAMETER,
+        raise InvalidParameter(
             f"deadline_s must be at most {settings.max_deadline_s:g}",
             param="deadline_s",
         )
     output = body.est_output_tokens or settings.session_default_output_tokens
     if output > settings.max_tokens_limit:
-        raise InvalidRequest(
-            ErrorCode.INVALID_PARAMETER,
+        raise InvalidParameter(
             f"est_output_tokens must be at most {settings.max_tokens_limit}",
             param="est_output_tokens",
         )

@@ -41,8 +41,8 @@ from typing import Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker.admission.objectives import Objective
-from broker.errors import KvgateError
-from schemas.vocab import TIERS_BY_PRIORITY, ErrorCode, Tier
+from broker.errors import TierNotAllowed
+from schemas.vocab import TIERS_BY_PRIORITY, Tier
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,7 @@ class Tenant(BaseModel):
     def require_tier(self, tier: Tier) -> None:
         """Refuse (403 ``tier_not_allowed``) a tier above this tenant's highest."""
         if not self.allows(tier):
-            raise KvgateError(
-                ErrorCode.TIER_NOT_ALLOWED,
+            raise TierNotAllowed(
                 f"tier {tier.value!r} is above this tenant's highest tier {self.max_tier.value!r}",
                 param="tier",
             )
