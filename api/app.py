@@ -12,7 +12,7 @@ import nats
 from fastapi import FastAPI
 from sqlalchemy.engine import make_url
 
-from api.batch_runner import BatchRunner
+from api.batches.runner import BatchRunner
 from api.errors import install_error_handlers
 from api.metrics import FrontDoorMetrics
 from api.replies import ReplyRouter

@@ -10,7 +10,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from sqlalchemy.engine import Engine
 
-from api.batch_runner import BatchRunner
+from api.batches.runner import BatchRunner
 from api.chat_request import check_known_model
 from api.metrics import FrontDoorMetrics
 from api.replies import ReplyRouter

@@ -2,7 +2,7 @@
 stamped with.
 
 One database holds the admission ledger (``broker.ledger``), the batches and their lines
-(``broker.batches``) and uploaded files (``broker.files``): an SQLite file by default,
+(``api.batches.store``) and uploaded files (``api.batches.files``): an SQLite file by default,
 PostgreSQL with ``KVGATE_DATABASE_URL``. The schema is owned by the Alembic migrations in
 ``broker/migrations`` (hand-written, one per change); every front door upgrades to head at
 start-up, and replicas starting together on PostgreSQL take turns (an advisory lock).

@@ -12,18 +12,14 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api.batch_request import (
+from api.batches import files, store
+from api.batches.request import (
     CHAT_URL,
     is_jsonl,
     parse_file_submission,
     parse_submission,
 )
-from api.chat_request import parse_json_object, read_body
-from api.deps import FrontDoorDep, TenantDep
-from api.routes.sessions import IDEMPOTENCY_HEADER
-from broker import batches as store
-from broker import files
-from broker.batches import (
+from api.batches.store import (
     ENDED_BATCHES,
     UNANSWERED_LINES,
     BatchStatus,
@@ -32,6 +28,9 @@ from broker.batches import (
     error_file_id,
     output_file_id,
 )
+from api.chat_request import parse_json_object, read_body
+from api.deps import FrontDoorDep, TenantDep
+from api.routes.sessions import IDEMPOTENCY_HEADER
 from broker.db import utcnow
 from broker.errors import BatchNotFound, InvalidRequest, NotFound, UnsupportedParameter
 from schemas.vocab import Tier

@@ -1,7 +1,7 @@
 """``/v1/files``: OpenAI's Files API, for the SDK's batch flow (``files.create(purpose="batch")``,
 then ``batches.create(input_file_id=...)``, then ``files.content(output_file_id)``).
 
-Uploaded files live in the database the front doors share (``broker/files.py``). A batch's
+Uploaded files live in the database the front doors share (``api/batches/files.py``). A batch's
 output and error files are read from its lines when asked for, in OpenAI's batch output
 format; their ids name the batch (``file-<batch id>-output``, ``file-<batch id>-errors``).
 """
@@ -17,10 +17,10 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 
+from api.batches import files, store
+from api.batches.files import FileMeta
+from api.batches.store import LineRow, LineStatus, result_file
 from api.deps import FrontDoorDep, TenantDep
-from broker import batches as store
-from broker import files
-from broker.batches import LineRow, LineStatus, result_file
 from broker.db import utcnow
 from broker.errors import (
     BodyTooLarge,
@@ -29,7 +29,6 @@ from broker.errors import (
     UnsupportedMediaType,
     UnsupportedParameter,
 )
-from broker.files import FileMeta
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 

@@ -1,15 +1,16 @@
 """Alembic environment for kvgate's database. Run through ``broker.db.migrate`` (the front door
-migrates at start-up), or ``alembic -c`` pointing here with ``sqlalchemy.url`` set."""
+migrates at start-up), or ``alembic -c`` pointing here with ``sqlalchemy.url`` set.
+
+The versions are written by hand. The target metadata holds the tables of the modules imported
+so far; to compare the models with a database (``alembic check``, autogenerate), import the
+modules that declare tables first: ``broker.ledger``, ``api.batches.store``,
+``api.batches.files`` (this module, in ``broker/``, may not import the front door's)."""
 
 from __future__ import annotations
 
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
-# The modules that declare tables, imported so that their tables are in the metadata.
-import broker.batches
-import broker.files
-import broker.ledger  # noqa: F401
 from broker.db import metadata
 
 config = context.config

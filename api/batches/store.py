@@ -62,6 +62,11 @@ ENDED_BATCHES = frozenset(
 _RESULT_FILES = {"-output": frozenset({LineStatus.COMPLETED.value}), "-errors": UNANSWERED_LINES}
 
 
+def line_error(code: str, message: str) -> dict[str, Any]:
+    """A failed line's ``error``, as its result file carries it."""
+    return {"error": {"code": code, "message": message}}
+
+
 def output_file_id(batch_id: str) -> str:
     """The id of a batch's output file (OpenAI's flow), built from its lines when read."""
     return f"file-{batch_id}-output"

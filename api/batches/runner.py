@@ -1,4 +1,4 @@
-"""Run batches in the background of every front door, and collect their results.
+"""Run batches in the background of every front door.
 
 - **Runner.** Each tick it claims the unfinished batches nobody else runs (a front door that
   stops renewing its claim for ``batch_runner_stale_s`` loses them to the next one), and for
@@ -8,10 +8,8 @@
   marked ``parallel`` starts alongside the one before it), keeps the session's lease alive,
   and closes it when the session's lines are all done. Lines carry the batch's deadline (the
   end of its completion window) and no reply inbox: the worker publishes one durable result.
-- **Collector.** A durable consumer on ``KVGATE_RESULTS``, shared by every front door, writes
-  each result to its line in the database, then acks it. A result is acked only after its
-  write committed, so a crash loses nothing; the write is conditional, so a duplicate changes
-  nothing.
+- **Collector** (``api.batches.collector``), started and stopped with the runner, writes the
+  workers' results to their lines.
 
 Batch calls are best-effort by default and go through the same worker pull policy, so they
 soak up idle capacity without pushing interactive tiers out.
@@ -21,38 +19,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from sqlalchemy.engine import Engine
 
+from api.batches import store
+from api.batches.collector import ResultCollector
+from api.batches.store import BatchRow, BatchStatus, LineRow, LineStatus
 from api.chat_request import parse_chat_request, to_envelope
-from broker import batches as store
 from broker.admission import needs
 from broker.admission.admitter import Admitter
-from broker.batches import BatchRow, BatchStatus, LineRow, LineStatus
 from broker.db import utcnow
 from broker.errors import KvgateError, Refused, RetryableError
 from broker.publisher import CallPublisher
 from broker.settings import ApiSettings
-from broker.streams import COLLECTOR
 from schemas.vocab import ErrorCode, SessionState, Tier
 from schemas.wire import (
     CANCEL_SUBJECT_PREFIX,
     RESULT_SUBJECT_PREFIX,
-    RESULTS_STREAM,
     CallEnvelope,
-    CallResult,
-    decode_result,
 )
 
 log = logging.getLogger(__name__)
@@ -113,17 +106,18 @@ class BatchRunner:
         self._cancel_sent: set[str] = set()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        # A written result may let a session's next line start: the runner looks at once.
+        self.collector = ResultCollector(engine, js, self.wake)
 
     def start(self) -> None:
-        self._tasks = [
-            asyncio.create_task(self._run_loop()),
-            asyncio.create_task(self._collect_loop()),
-        ]
+        self._tasks = [asyncio.create_task(self._run_loop())]
+        self.collector.start()
 
     def wake(self) -> None:
         self._wake.set()
 
     async def stop(self) -> None:
+        await self.collector.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -270,7 +264,7 @@ class BatchRunner:
 
     async def _fail_lines(self, lines: list[LineRow], code: ErrorCode, message: str) -> None:
         outcomes = [
-            (line.call_id, LineStatus.FAILED, _error(code.value, message), code.value)
+            (line.call_id, LineStatus.FAILED, store.line_error(code.value, message), code.value)
             for line in lines
             if not line.terminal
         ]
@@ -305,60 +299,3 @@ class BatchRunner:
                 store.set_status, self.engine, batch.id, BatchStatus.CANCELLED, now
             )
             log.info("batch %s cancelled", batch.id)
-
-    # -- collector -----------------------------------------------------------------------
-
-    async def _collect_loop(self) -> None:
-        sub = await self.js.pull_subscribe_bind(COLLECTOR, stream=RESULTS_STREAM)
-        try:
-            await self._collect(sub)
-        finally:
-            # An open pull subscription would hold the connection's drain at shutdown.
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-
-    async def _collect(self, sub: JetStreamContext.PullSubscription) -> None:
-        while True:
-            try:
-                messages = await sub.fetch(256, timeout=1.0)
-            except TimeoutError:
-                continue
-            except Exception as exc:
-                log.warning("result collector: %s", exc)
-                await asyncio.sleep(1.0)
-                continue
-            outcomes = []
-            for msg in messages:
-                try:
-                    outcomes.append(_outcome(decode_result(msg.data)))
-                except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                    log.error("malformed batch result dropped: %s", exc)
-            try:
-                await asyncio.to_thread(store.finish_lines, self.engine, outcomes, utcnow())
-            except Exception:
-                log.exception(
-                    "could not write %d batch results; they will come back", len(messages)
-                )
-                await asyncio.sleep(1.0)
-                continue  # not acked: redelivered after the ack wait
-            for msg in messages:
-                with contextlib.suppress(Exception):
-                    await msg.ack()
-            self.wake()
-
-
-def _error(code: str, message: str) -> dict[str, Any]:
-    return {"error": {"code": code, "message": message}}
-
-
-def _outcome(result: CallResult) -> tuple[str, LineStatus, dict[str, Any] | None, str | None]:
-    if result.error_code is None:
-        # vLLM's own response body, as a non-streamed call would have received it.
-        body = json.loads(result.body) if result.body is not None else None
-        return result.call_id, LineStatus.COMPLETED, {"status_code": 200, "body": body}, None
-    code = result.error_code
-    status = {
-        ErrorCode.DEADLINE_EXCEEDED: LineStatus.EXPIRED,
-        ErrorCode.CANCELLED: LineStatus.CANCELLED,
-    }.get(code, LineStatus.FAILED)
-    return result.call_id, status, _error(code.value, result.error_message or ""), code.value
