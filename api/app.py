@@ -14,10 +14,10 @@ from sqlalchemy.engine import make_url
 
 from api.batches.runner import BatchRunner
 from api.errors import install_error_handlers
+from api.frontdoor import FrontDoor
 from api.metrics import FrontDoorMetrics
 from api.replies import ReplyRouter
 from api.routes import admin, batches, chat, files, health, models, sessions
-from api.state import FrontDoor
 from api.tracing import RequestSpanMiddleware
 from broker.admission.admitter import Admitter
 from broker.admission.leases import SessionLeases

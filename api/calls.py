@@ -18,8 +18,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from api.frontdoor import FrontDoor
 from api.replies import ReplyEvent
-from api.state import FrontDoor
 from broker.admission.objectives import Objective
 from broker.errors import DeadlineExceeded, KvgateError, WorkerLost, error_class
 from broker.telemetry import inject_headers, tracer

@@ -20,9 +20,8 @@ from typing import Any, Final, TypeVar
 from fastapi import Request
 from pydantic import ValidationError
 
+from api.bodies import parse_json_object
 from broker.errors import (
-    BodyTooLarge,
-    InvalidJson,
     InvalidMaxTokens,
     InvalidMessages,
     InvalidParameter,
@@ -45,36 +44,6 @@ SESSION_HEADER = "X-Kvgate-Session"
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest, MessagesRequest)
 CallRequest = ChatCompletionRequest | CompletionRequest | MessagesRequest
 """A request kvgate queues: OpenAI chat completions or completions, or Anthropic messages."""
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than ``limit`` bytes without reading past it."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(limit: int) -> InvalidRequest:
-    return BodyTooLarge(f"request body exceeds {limit} bytes")
-
-
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or ``invalid_json`` / ``invalid_request``."""
-    try:
-        raw: Any = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidJson(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    return raw
 
 
 # Fields kvgate decides itself, refused by name so that a caller never believes it set them.

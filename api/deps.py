@@ -11,7 +11,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from api.state import FrontDoor
+from api.frontdoor import FrontDoor
 from broker.admission.tenants import Tenant
 from broker.errors import Unauthorized
 from broker.settings import ApiSettings

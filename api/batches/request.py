@@ -11,7 +11,8 @@ from typing import Any
 
 from fastapi import Request
 
-from api.chat_request import check_known_model, parse_chat_request, parse_json_object
+from api.bodies import parse_json_object
+from api.chat_request import check_known_model, parse_chat_request
 from broker.errors import InvalidParameter, InvalidRequest, InvalidTier
 from broker.settings import ApiSettings
 from schemas.vocab import ErrorCode, Tier

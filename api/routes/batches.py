@@ -28,7 +28,7 @@ from api.batches.store import (
     error_file_id,
     output_file_id,
 )
-from api.chat_request import parse_json_object, read_body
+from api.bodies import parse_json_object, read_body
 from api.deps import FrontDoorDep, TenantDep
 from api.routes.sessions import IDEMPOTENCY_HEADER
 from broker.db import utcnow

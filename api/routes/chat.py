@@ -20,6 +20,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from api.bodies import read_body
 from api.calls import Restarted, failure_error, follow_call
 from api.chat_request import (
     SESSION_HEADER,
@@ -30,13 +31,12 @@ from api.chat_request import (
     parse_chat_request,
     parse_completion_request,
     parse_messages_request,
-    read_body,
     to_envelope,
 )
 from api.deps import FrontDoorDep, TenantDep
 from api.errors import anthropic_error_body, error_body
+from api.frontdoor import FrontDoor
 from api.replies import ReplyEvent
-from api.state import FrontDoor
 from broker.admission import needs
 from broker.admission.objectives import Objective
 from broker.admission.state import SessionRecord

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from api.chat_request import parse_json_object, read_body
+from api.bodies import parse_json_object, read_body
 from api.deps import FrontDoorDep, TenantDep
 from broker.admission import needs
 from broker.admission.state import SessionRecord
