@@ -74,3 +74,19 @@ def test_imports_run_downward_and_never_into_a_test_module() -> None:
 def test_a_pure_core_imports_no_io(core: str) -> None:
     io = {name for name in imported(ROOT / core) if name.split(".")[0] in IO_MODULES}
     assert io == set(), f"{core} imports {sorted(io)}"
+
+
+def test_the_map_of_the_code_names_every_module() -> None:
+    """``docs/architecture.md`` is where a newcomer looks a behaviour up: a module it does not
+    name is one they cannot find."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    unnamed = [
+        str(path.relative_to(ROOT))
+        for path in modules()
+        if path.parts[len(ROOT.parts)] in {"schemas", "broker", "api", "workers", "kvgate"}
+        and path.name != "__init__.py"
+        and "migrations" not in path.parts
+        and f"`{path.name}`" not in text
+        and f"{path.relative_to(ROOT)}`" not in text
+    ]
+    assert unnamed == []
