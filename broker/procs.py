@@ -35,7 +35,13 @@ class Proc:
     other processes for ~120 ms at a time."""
 
     def __init__(
-        self, name: str, cmd: list[str], env: dict[str, str], log_dir: Path | None
+        self,
+        name: str,
+        cmd: list[str],
+        env: dict[str, str],
+        log_dir: Path | None,
+        *,
+        cwd: Path | None = None,
     ) -> None:
         self.name = name
         self.log_path = None if log_dir is None else log_dir / f"{name}.log"
@@ -49,6 +55,7 @@ class Proc:
             stdout=self._log,
             stderr=None if self._log is None else subprocess.STDOUT,
             process_group=0,
+            cwd=cwd,
         )
 
     @property
