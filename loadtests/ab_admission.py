@@ -15,6 +15,8 @@ The ratios B/A of each repeat are the result.
 
 ``--a`` and ``--b`` are checkouts (``git worktree add --detach /tmp/wt-old <commit>``); each
 front door runs with its checkout first on ``PYTHONPATH``, under this environment's Python.
+With ``--rate R`` each slice is an open loop at R sessions/s instead (the arrival rate
+``bench_admission`` holds its latency target at), and each side's p50/p99 latency is compared.
 Needs Redis on 127.0.0.1:6379. About 30 s per repeat.
 """
 
@@ -60,6 +62,36 @@ def commit_of(checkout: Path) -> str:
         check=False,
     )
     return out.stdout.strip() or "unknown"
+
+
+async def open_loop(
+    base: str, seconds: float, rate: float, latencies: list[float], statuses: dict[int, int]
+) -> int:
+    """Sessions asked for at ``rate`` per second for ``seconds``, whatever the answers'
+    latency; each answer's latency (ms) is appended to ``latencies``, its status counted in
+    ``statuses`` (a refusal is an answer too: it is timed, not raised)."""
+    admitted = 0
+    connector = aiohttp.TCPConnector(limit=512)
+    async with aiohttp.ClientSession(base, connector=connector) as client:
+
+        async def one() -> None:
+            nonlocal admitted
+            started = time.perf_counter()
+            async with client.post("/v1/sessions", json=SESSION) as resp:
+                await resp.read()
+            latencies.append((time.perf_counter() - started) * 1000)
+            statuses[resp.status] = statuses.get(resp.status, 0) + 1
+            admitted += resp.status == 201
+
+        tasks: list[asyncio.Task[None]] = []
+        t0 = time.perf_counter()
+        for i in range(int(rate * seconds)):
+            delay = t0 + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+    return admitted
 
 
 async def closed_loop(base: str, seconds: float, concurrency: int) -> int:
@@ -132,26 +164,38 @@ async def front_doors(
 
 
 async def one_repeat(
-    doors: dict[str, tuple[Proc, str]], rounds: int, slice_s: float, concurrency: int
-) -> dict[str, dict[str, float]]:
+    doors: dict[str, tuple[Proc, str]], args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """One repeat: ``args.rounds`` slices of each door, closed loop or, with ``--rate``, open
+    loop at that rate (then the answers' latency percentiles too)."""
     totals = {name: {"sessions": 0.0, "seconds": 0.0, "cpu_s": 0.0} for name in doors}
-    for i in range(rounds):
+    latencies: dict[str, list[float]] = {name: [] for name in doors}
+    statuses: dict[str, dict[int, int]] = {name: {} for name in doors}
+    for i in range(args.rounds):
         order = sorted(doors) if i % 2 == 0 else sorted(doors, reverse=True)
         for name in order:
             proc, base = doors[name]
             cpu_before, started = cpu_s(proc.pid), time.perf_counter()
-            admitted = await closed_loop(base, slice_s, concurrency)
+            if args.rate:
+                admitted = await open_loop(
+                    base, args.slice_s, args.rate, latencies[name], statuses[name]
+                )
+            else:
+                admitted = await closed_loop(base, args.slice_s, args.concurrency)
             totals[name]["seconds"] += time.perf_counter() - started
             totals[name]["cpu_s"] += cpu_s(proc.pid) - cpu_before
             totals[name]["sessions"] += admitted
-    return {
-        name: {
+    out: dict[str, dict[str, Any]] = {}
+    for name, t in totals.items():
+        out[name] = {
             "sessions": int(t["sessions"]),
             "sessions_per_s": round(t["sessions"] / t["seconds"], 1),
             "cpu_ms_per_session": round(1000 * t["cpu_s"] / max(t["sessions"], 1), 4),
         }
-        for name, t in totals.items()
-    }
+        if args.rate:
+            cuts = stats.summary(latencies[name], (50, 99), ndigits=2)
+            out[name].update(p50_ms=cuts["p50"], p99_ms=cuts["p99"], statuses=statuses[name])
+    return out
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -162,16 +206,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await closed_loop(base, 1.0, args.concurrency)
             repeats = []
             for _ in range(args.repeats):
-                result = await one_repeat(doors, args.rounds, args.slice_s, args.concurrency)
+                result: dict[str, Any] = await one_repeat(doors, args)
                 result["ratio_b_over_a"] = {
-                    key: round(result["b"][key] / result["a"][key], 3)
-                    for key in ("sessions_per_s", "cpu_ms_per_session")
+                    key: round(result["b"][key] / result["a"][key], 3) for key in _compared(args)
                 }
                 print(json.dumps(result), flush=True)
                 repeats.append(result)
     ratios = {
         key: stats.summary([r["ratio_b_over_a"][key] for r in repeats], (50,), ndigits=3)
-        for key in ("sessions_per_s", "cpu_ms_per_session")
+        for key in _compared(args)
     }
     return {
         "command": " ".join(["python -m loadtests.ab_admission", *sys.argv[1:]]),
@@ -179,10 +222,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "b": {"checkout": str(args.b), "commit": commit_of(args.b)},
         "rounds": args.rounds,
         "slice_s": args.slice_s,
-        "concurrency": args.concurrency,
+        "concurrency": None if args.rate else args.concurrency,
+        "rate": args.rate,
         "repeats": repeats,
         "median_ratio_b_over_a": {key: value["p50"] for key, value in ratios.items()},
     }
+
+
+def _compared(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.rate:
+        return ("cpu_ms_per_session", "p50_ms", "p99_ms")
+    return ("sessions_per_s", "cpu_ms_per_session")
 
 
 def main() -> None:
@@ -192,7 +242,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=6, help="slices of each per repeat")
     parser.add_argument("--slice-s", type=float, default=2.0)
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=32, help="closed loop's clients")
+    parser.add_argument(
+        "--rate", type=float, help="open loop at this many sessions/s instead of a closed loop"
+    )
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
