@@ -7,7 +7,14 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import httpx
+
 T = TypeVar("T")
+
+READY_BOUND_S = 20.0
+"""How long a front door may take to see a worker: its KV watch delivers a heartbeat within
+milliseconds, a first worker still connects and provisions first; generous for a loaded
+2-core machine."""
 
 
 async def poll_until(
@@ -24,3 +31,12 @@ async def poll_until(
             if done(value):
                 return value
             await asyncio.sleep(interval_s)
+
+
+async def wait_ready(base_url: str, *, timeout_s: float = READY_BOUND_S) -> None:
+    """Until the front door at ``base_url`` answers ``/readyz`` with 200: it sees a live,
+    non-draining worker (its heartbeat, from a real worker or put by the test)."""
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        await poll_until(
+            lambda: client.get("/readyz"), lambda r: r.status_code == 200, timeout_s=timeout_s
+        )

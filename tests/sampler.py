@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import nats
@@ -13,6 +14,11 @@ from broker.fleet import FleetView, FleetWatcher
 from broker.settings import StreamSettings
 from broker.streams import workers_bucket
 from schemas.wire import WorkerHeartbeat
+from tests.polling import poll_until
+
+SAMPLE_INTERVAL_S = 0.05
+"""How often the fleet's readings are sampled and polled: well under the test workers'
+heartbeat interval (0.2 to 0.5 s), so that no reading is missed."""
 
 
 @dataclass
@@ -30,21 +36,33 @@ class FleetSampler:
         self.peaks = Peaks()
 
     def workers(self) -> list[WorkerHeartbeat]:
-        import time
-
         return self.view.live(int(time.time() * 1000))
 
+    async def until(
+        self, done: Callable[[list[WorkerHeartbeat]], bool], timeout: float
+    ) -> list[WorkerHeartbeat]:
+        """The live workers' readings, once ``done`` holds for them (the watch delivers the
+        bucket asynchronously: heartbeats are polled)."""
+
+        async def read() -> list[WorkerHeartbeat]:
+            return self.workers()
+
+        return await poll_until(read, done, timeout_s=timeout, interval_s=SAMPLE_INTERVAL_S)
+
     async def wait_for(self, n: int, timeout: float = 10.0) -> list[WorkerHeartbeat]:
-        """Until ``n`` live workers are seen (the watch delivers the bucket asynchronously)."""
-        async with asyncio.timeout(timeout):
-            while len(live := self.workers()) < n:  # noqa: ASYNC110 - heartbeats are polled
-                await asyncio.sleep(0.05)
-        return live
+        """Until ``n`` live workers are seen."""
+        return await self.until(lambda live: len(live) >= n, timeout)
+
+    async def beat_after(self, sent_ms: int, timeout: float) -> WorkerHeartbeat:
+        """The first worker's first reading sent after ``sent_ms`` (wall-clock milliseconds,
+        as heartbeats are stamped): one that shows what happened before ``sent_ms``."""
+        live = await self.until(lambda live: bool(live) and live[0].sent_ms > sent_ms, timeout)
+        return live[0]
 
     def reset(self) -> None:
         self.peaks = Peaks()
 
-    async def run(self, interval: float = 0.05) -> None:
+    async def run(self, interval: float = SAMPLE_INTERVAL_S) -> None:
         while True:
             for hb in self.workers():
                 p = self.peaks
@@ -53,7 +71,7 @@ class FleetSampler:
                 p.num_running = max(p.num_running, hb.num_running)
                 p.samples += 1
                 p.last[hb.worker_id] = hb
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval)  # sampling: a peak is no event to await
 
 
 @contextlib.asynccontextmanager

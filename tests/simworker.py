@@ -6,9 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-import httpx
-
-from tests.polling import poll_until
+from tests.polling import wait_ready
 from workers.settings import WorkerSettings
 from workers.sim_engine import SimEngine
 from workers.worker import Worker
@@ -27,10 +25,7 @@ async def sim_worker(
     )
     task = asyncio.create_task(worker.run())
     try:
-        async with httpx.AsyncClient(base_url=ready_at) as client:
-            await poll_until(
-                lambda: client.get("/readyz"), lambda r: r.status_code == 200, timeout_s=20
-            )
+        await wait_ready(ready_at)
         yield worker
     finally:
         worker.request_stop()

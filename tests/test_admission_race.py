@@ -22,7 +22,7 @@ from broker.natsserver import EmbeddedNats
 from broker.procs import Proc
 from loadtests.heartbeats import idle_heartbeat, put_heartbeat
 from schemas.wire import WORKERS_BUCKET
-from tests.polling import poll_until
+from tests.polling import poll_until, wait_ready
 from tests.procs import start_api
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -32,22 +32,30 @@ IDLE_TIMEOUT_S = 10
 """The sessions' idle timeout: long enough that none idles out while the 300 requests are still
 being answered on a loaded machine (at 3 s one did, and the answers then summed to more than
 Redis still held), short enough that a dead replica's sessions are released within the test."""
+RELEASE_BOUND_S = IDLE_TIMEOUT_S + 15
+"""For a dead replica's sessions to be released: their idle timeout, then the survivors'
+sweeps, generous for a loaded machine."""
+HEARTBEAT_INTERVAL_S = 0.5
+"""How often the test's stand-in worker heartbeats, as a real one does."""
+WATCH_INTERVAL_S = 0.005
+"""How often the test samples what Redis holds while the requests race: a peak is no event to
+await, so it is sampled often."""
 
 
 @contextlib.asynccontextmanager
 async def heartbeats(nats_url: str, capacity: int) -> AsyncIterator[None]:
-    """A fresh heartbeat every 0.5 s from a worker with ``capacity`` KV tokens, idle."""
+    """A fresh heartbeat every ``HEARTBEAT_INTERVAL_S`` from a worker with ``capacity`` KV
+    tokens, idle."""
     nc = await nats.connect(nats_url)
     kv = await nc.jetstream().key_value(WORKERS_BUCKET)
 
     async def beat() -> None:
         while True:
             await put_heartbeat(kv, idle_heartbeat("w-capacity", capacity, max_num_seqs=64))
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)  # pacing, as a worker's loop is paced
 
     task = asyncio.create_task(beat())
     try:
-        await asyncio.sleep(0.6)
         yield
     finally:
         task.cancel()
@@ -87,8 +95,11 @@ async def test_replicas_sharing_redis_never_over_admit_and_release_a_dead_replic
     # connect times out while the loop is busy (seen in CI), which says nothing of the races.
     store = RedisAdmissionState(REDIS_URL, prefix=prefix, timeout_s=5)
     rng = random.Random(7)
+    clients: list[httpx.AsyncClient] = []
     try:
         async with heartbeats(nats_server.url, CAPACITY):
+            for _, base in replicas:
+                await wait_ready(base)  # every replica sees the capacity to admit against
             clients = [httpx.AsyncClient(base_url=base, timeout=30) for _, base in replicas]
             peak_reserved = 0
             hammering = asyncio.Event()
@@ -99,7 +110,7 @@ async def test_replicas_sharing_redis_never_over_admit_and_release_a_dead_replic
                 nonlocal peak_reserved
                 while not hammering.is_set():
                     peak_reserved = max(peak_reserved, await store.reserved_tokens())
-                    await asyncio.sleep(0.005)
+                    await asyncio.sleep(WATCH_INTERVAL_S)
 
             async def create(i: int) -> tuple[int, dict[str, Any], str]:
                 body: dict[str, Any] = {
@@ -107,7 +118,7 @@ async def test_replicas_sharing_redis_never_over_admit_and_release_a_dead_replic
                     "max_parallel": rng.randint(1, 8),
                     "est_prompt_tokens": rng.randint(50, 400),
                     "est_output_tokens": rng.randint(20, 200),
-                    "idle_timeout_s": 3,
+                    "idle_timeout_s": IDLE_TIMEOUT_S,
                     # Answered at once: held sessions would still be deciding when the first
                     # ones idle out, and the sums below compare one moment.
                     "max_wait_s": 0,
@@ -147,7 +158,7 @@ async def test_replicas_sharing_redis_never_over_admit_and_release_a_dead_replic
             victim.signal(signal.SIGKILL)
             victim.wait(10)
             await poll_until(
-                store.reserved_tokens, lambda held: held == 0, timeout_s=IDLE_TIMEOUT_S + 15
+                store.reserved_tokens, lambda held: held == 0, timeout_s=RELEASE_BOUND_S
             )
             after = await clients[1].post(
                 "/v1/sessions", json={"tier": "guaranteed", "max_parallel": 4}

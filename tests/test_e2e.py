@@ -18,6 +18,16 @@ from workers.worker import Worker
 
 MODEL = "kvgate-dev"
 
+CLIENT_TIMEOUT_S = 60
+"""A short call on the CPU engine shared with the other tests' load: far more than it takes."""
+FLEET_CHANGE_BOUND_S = 15
+"""For the front door to see a worker come or go (heartbeats every 0.3 s, a KV watch), or a
+simulated worker to drain: generous for a loaded 2-core machine."""
+DISCONNECT_WINDOW_S = 0.3
+"""How long the front door is given to read the disconnect before its log is read: nothing
+observable says it has (a clean disconnect logs nothing), so this is a window in which an
+error, if any, would be logged."""
+
 
 def chat_body(content: str = "hello", max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
     return {
@@ -71,10 +81,12 @@ async def test_each_model_is_routed_to_the_workers_that_serve_it(stack: Stack) -
     )
     worker = Worker(engine, options)
     task = asyncio.create_task(worker.run())
-    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=CLIENT_TIMEOUT_S) as client:
         try:
             listed = await poll_until(
-                lambda: client.get("/v1/models"), lambda r: other in model_ids(r), timeout_s=30
+                lambda: client.get("/v1/models"),
+                lambda r: other in model_ids(r),
+                timeout_s=2 * FLEET_CHANGE_BOUND_S,  # and the worker starts first
             )
             cards = {m["id"]: m for m in listed.json()["data"]}
             assert sorted(cards) == sorted([MODEL, other])
@@ -100,21 +112,23 @@ async def test_each_model_is_routed_to_the_workers_that_serve_it(stack: Stack) -
             assert MODEL in error["message"] and other in error["message"]
         finally:
             worker.request_stop()
-            await asyncio.wait_for(task, 15)
+            await asyncio.wait_for(task, FLEET_CHANGE_BOUND_S)
         # A worker that stops takes its heartbeat with it: its model is no longer served.
         await poll_until(
-            lambda: client.get("/v1/models"), lambda r: model_ids(r) == [MODEL], timeout_s=15
+            lambda: client.get("/v1/models"),
+            lambda r: model_ids(r) == [MODEL],
+            timeout_s=FLEET_CHANGE_BOUND_S,
         )
         gone = await poll_until(
             lambda: client.post("/v1/chat/completions", json=chat_body(model=other)),
             lambda r: r.status_code != 503,  # 503 no_workers while its last beat says draining
-            timeout_s=15,
+            timeout_s=FLEET_CHANGE_BOUND_S,
         )
         assert gone.status_code == 404, gone.text
 
 
 async def test_non_streamed_completion_over_http(stack: Stack) -> None:
-    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=CLIENT_TIMEOUT_S) as client:
         resp = await client.post("/v1/chat/completions", json=chat_body(max_tokens=9))
     assert resp.status_code == 200, resp.text
     body = resp.json()
@@ -132,7 +146,7 @@ async def test_non_streamed_completion_over_http(stack: Stack) -> None:
 
 async def test_streamed_completion_over_http(stack: Stack) -> None:
     body = chat_body(max_tokens=12, stream=True, stream_options={"include_usage": True})
-    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=CLIENT_TIMEOUT_S) as client:
         resp = await client.post("/v1/chat/completions", json=body)
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/event-stream")
@@ -192,7 +206,7 @@ async def test_concurrent_calls_get_their_own_replies(stack: Stack) -> None:
     answer carries exactly its own counts, so no event crossed between reply inboxes."""
     long_prompt = " ".join(["the agent reads the file"] * 30)
     cases = [("hi", 7), (long_prompt, 23)]
-    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=CLIENT_TIMEOUT_S) as client:
         solo = [
             (await client.post("/v1/chat/completions", json=chat_body(p, 1))).json()["usage"]
             for p, _ in cases
@@ -281,7 +295,7 @@ BAD_INPUTS = [
 async def test_bad_input_gets_its_code_and_the_server_keeps_serving(
     stack: Stack, body: bytes, status: int, code: str
 ) -> None:
-    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=CLIENT_TIMEOUT_S) as client:
         resp = await client.post(
             "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
         )
@@ -296,7 +310,7 @@ async def test_bad_input_gets_its_code_and_the_server_keeps_serving(
 
 async def test_prompt_longer_than_the_context_is_a_400_from_the_worker(stack: Stack) -> None:
     body = chat_body(content=" ".join(["token"] * 3000), max_tokens=4)
-    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=CLIENT_TIMEOUT_S) as client:
         for stream in (False, True):
             resp = await client.post("/v1/chat/completions", json={**body, "stream": stream})
             assert resp.status_code == 400
@@ -336,8 +350,8 @@ async def test_a_caller_gone_before_its_body_was_read_is_no_server_error(stack: 
     await writer.drain()
     writer.close()
     await writer.wait_closed()
-    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
-        await asyncio.sleep(0.3)  # the front door notices the disconnect on its next read
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=CLIENT_TIMEOUT_S) as client:
+        await asyncio.sleep(DISCONNECT_WINDOW_S)  # the front door reads the disconnect
         after = await client.post("/v1/chat/completions", json=chat_body(max_tokens=4))
     assert after.status_code == 200
     log = (stack.log_dir / f"api-{port}.log").read_text()

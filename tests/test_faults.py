@@ -28,6 +28,14 @@ from tests.sampler import FleetSampler, sample_fleet
 ACK_WAIT_S = 3
 STREAM_ENV = {"KVGATE_STREAM_ACK_WAIT_S": str(ACK_WAIT_S)}
 
+CLIENT_TIMEOUT_S = 120
+"""A call of up to 960 tokens, redelivered once after the ack wait, on engines sharing two
+cores: far more than it takes, bounded only so that a lost call fails the test."""
+WORKERS_READY_BOUND_S = 240
+"""Two vLLM CPU workers starting side by side on two cores (~30 s each alone)."""
+SURVIVOR_CANCEL_BOUND_S = 30
+"""For a survivor's heartbeat (every 0.2 s) to show the redelivered attempt it cancelled."""
+
 
 class FaultStack:
     def __init__(self, root: Path, model: Path) -> None:
@@ -73,7 +81,7 @@ async def fleet(faults: FaultStack) -> AsyncIterator[FleetSampler]:
     """Two serving workers, replacing any an earlier test stopped (ready in ~30 s)."""
     while len(faults.workers) < 2:
         faults.spawn()
-    async with sample_fleet(faults.nats.url, workers=2, timeout=240) as sampler:
+    async with sample_fleet(faults.nats.url, workers=2, timeout=WORKERS_READY_BOUND_S) as sampler:
         yield sampler
 
 
@@ -137,7 +145,7 @@ async def test_sigterm_finishes_running_calls_and_exits_zero(
     faults: FaultStack, fleet: FleetSampler
 ) -> None:
     async with (
-        httpx.AsyncClient(base_url=faults.base_url, timeout=120) as client,
+        httpx.AsyncClient(base_url=faults.base_url, timeout=CLIENT_TIMEOUT_S) as client,
         FirstTokens(faults.nats.url) as first_tokens,
     ):
         calls = [
@@ -164,7 +172,7 @@ async def test_sigkill_mid_generation_redelivers_a_non_streamed_call(
     faults: FaultStack, fleet: FleetSampler
 ) -> None:
     async with (
-        httpx.AsyncClient(base_url=faults.base_url, timeout=120) as client,
+        httpx.AsyncClient(base_url=faults.base_url, timeout=CLIENT_TIMEOUT_S) as client,
         FirstTokens(faults.nats.url) as first_tokens,
     ):
         started = time.monotonic()
@@ -184,7 +192,7 @@ async def test_sigkill_mid_generation_redelivers_a_non_streamed_call(
 async def test_sigkill_mid_stream_ends_the_stream_with_worker_lost(
     faults: FaultStack, fleet: FleetSampler
 ) -> None:
-    async with httpx.AsyncClient(base_url=faults.base_url, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=faults.base_url, timeout=CLIENT_TIMEOUT_S) as client:
         payload = body(900, stream=True)
         async with client.stream("POST", "/v1/chat/completions", json=payload) as r:
             name = r.headers["x-kvgate-worker"]
@@ -208,11 +216,12 @@ async def test_sigkill_mid_stream_ends_the_stream_with_worker_lost(
     assert [e["code"] for e in errors] == ["worker_lost"], received[-600:]
     assert 'finish_reason":"length' not in received  # never a second, spliced answer
     # The redelivered attempt was cancelled on the worker that picked it up: not answered twice.
-    async with asyncio.timeout(30):
-        while not any(  # noqa: ASYNC110 - heartbeats are polled
+    await fleet.until(
+        lambda live: any(
             hb.cancelled > survivors.get(hb.worker_id, 0)
-            for hb in fleet.workers()
+            for hb in live
             if hb.worker_id in survivors
-        ):
-            await asyncio.sleep(0.1)
+        ),
+        SURVIVOR_CANCEL_BOUND_S,
+    )
     assert await stream_is_empty(faults.nats.url)

@@ -5,7 +5,6 @@ worker on the simulated engine (what is under test is the API, not the engine)."
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ import pytest
 
 from broker.admission.tenants import hash_key
 from broker.natsserver import EmbeddedNats
+from tests.polling import poll_until
 from tests.procs import start_api
 from tests.simworker import sim_worker
 from workers.sim_engine import SimEngine, SimEngineConfig
@@ -78,13 +78,18 @@ def request_line(custom_id: str, **body: Any) -> str:
     )
 
 
+BATCH_END_BOUND_S = 90.0
+"""For a batch of five short calls to end on the simulated engine: generous for a loaded
+2-core machine."""
+
+
 async def ended(client: openai.AsyncOpenAI, batch_id: str) -> Any:
-    for _ in range(300):
-        batch = await client.batches.retrieve(batch_id)
-        if batch.status in ("completed", "failed", "expired", "cancelled"):
-            return batch
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"batch {batch_id} did not end: {batch.status}")
+    return await poll_until(
+        lambda: client.batches.retrieve(batch_id),
+        lambda batch: batch.status in ("completed", "failed", "expired", "cancelled"),
+        timeout_s=BATCH_END_BOUND_S,
+        interval_s=0.2,
+    )
 
 
 async def test_the_sdk_batch_flow_across_two_front_doors(doors: Doors) -> None:

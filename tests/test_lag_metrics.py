@@ -20,12 +20,17 @@ from broker.streams import provision_calls
 from kvgate.cli import COMMAND
 from tests.calls import MODEL, make_call
 from tests.conftest import Stack
+from tests.polling import poll_until
 from tests.procs import start_api
 from workers.settings import WorkerSettings
 from workers.sim_engine import SimEngine, SimEngineConfig
 from workers.worker import Worker
 
 TOKEN = "test-admin-token"
+
+SETTLE_BOUND_S = 15.0
+"""For what moves within a couple of seconds (a worker draining three calls, a lag refresh every
+2 s, the ledger's writer): generous for a loaded 2-core machine."""
 
 
 @pytest.fixture
@@ -64,12 +69,19 @@ async def test_lag_reports_pending_calls_then_drains(
         assert wrong.status_code == 401
         assert wrong.json()["error"]["code"] == "unauthorized"
         auth = {"Authorization": f"Bearer {TOKEN}"}
-        first = standard((await client.get("/v1/admin/lag", headers=auth)).json()["tiers"])
+
+        async def lag() -> dict[str, object]:
+            return standard((await client.get("/v1/admin/lag", headers=auth)).json()["tiers"])
+
+        first = await lag()
         assert first["pending"] == 3
-        await asyncio.sleep(1.0)
-        second = standard((await client.get("/v1/admin/lag", headers=auth)).json()["tiers"])
+        # The oldest pending call ages (a TimeoutError here: it did not).
+        second = await poll_until(
+            lag,
+            lambda row: row["oldest_pending_age_s"] > first["oldest_pending_age_s"],  # type: ignore[operator]
+            timeout_s=SETTLE_BOUND_S,
+        )
         assert second["pending"] == 3
-        assert second["oldest_pending_age_s"] > first["oldest_pending_age_s"]  # type: ignore[operator]
 
         cli = await asyncio.to_thread(kvgate_lag, nats_server.url, "--json")
         assert standard(json.loads(cli))["pending"] == 3
@@ -82,19 +94,18 @@ async def test_lag_reports_pending_calls_then_drains(
         )
         task = asyncio.create_task(worker.run())
         try:
-            async with asyncio.timeout(15):
-                while True:
-                    rows = (await client.get("/v1/admin/lag", headers=auth)).json()["tiers"]
-                    row = standard(rows)
-                    if row["pending"] == 0 and row["ack_pending"] == 0:
-                        break
-                    await asyncio.sleep(0.2)
+            row = await poll_until(
+                lag,
+                lambda row: row["pending"] == 0 and row["ack_pending"] == 0,
+                timeout_s=SETTLE_BOUND_S,
+                interval_s=0.2,
+            )
             assert row["oldest_pending_age_s"] is None
             live = (await client.get("/v1/admin/workers", headers=auth)).json()["workers"]
             assert [w["worker_id"] for w in live] == ["sim-lag"]
         finally:
             worker.request_stop()
-            await asyncio.wait_for(task, 10)
+            await asyncio.wait_for(task, SETTLE_BOUND_S)
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -111,8 +122,20 @@ async def test_metrics_parse_and_move_when_calls_are_made(stack: Stack) -> None:
     ) -> float:
         return s.get((name, tuple(sorted(labels.items()))), 0.0)
 
+    async def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return samples((await client.get("/metrics")).text)
+
+    def settled(s: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> bool:
+        """The calls' ends counted, a lag reading taken, the ledger's queue written out."""
+        ok = {"tier": "standard", "outcome": "ok"}
+        return (
+            value(s, "kvgate_calls_total", **ok) >= value(before, "kvgate_calls_total", **ok) + 2
+            and ("kvgate_queue_pending", (("tier", "guaranteed"),)) in s
+            and value(s, "kvgate_ledger_queued") == 0
+        )
+
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
-        before = samples((await client.get("/metrics")).text)
+        before = await scrape()
         for stream in (False, True):
             resp = await client.post(
                 "/v1/chat/completions",
@@ -125,8 +148,7 @@ async def test_metrics_parse_and_move_when_calls_are_made(stack: Stack) -> None:
                 },
             )
             assert resp.status_code == 200
-        await asyncio.sleep(2.5)  # one lag refresh
-        after = samples((await client.get("/metrics")).text)
+        after = await poll_until(scrape, settled, timeout_s=SETTLE_BOUND_S)
 
     ok = {"tier": "standard", "outcome": "ok"}
     assert value(after, "kvgate_calls_total", **ok) == value(before, "kvgate_calls_total", **ok) + 2

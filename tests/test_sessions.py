@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker.admission.tenants import hash_key
 from broker.natsserver import EmbeddedNats
-from tests.polling import poll_until
+from loadtests.heartbeats import stuck_worker_heartbeat
+from tests.polling import poll_until, wait_ready
 from tests.procs import start_api
 from tests.simworker import sim_worker
 from workers.sim_engine import SimEngine, SimEngineConfig
@@ -27,6 +28,17 @@ from workers.sim_engine import SimEngine, SimEngineConfig
 MODEL = "kvgate-sim"
 ACME, SMALL, CHEAP, STRICT = "acme-key", "small-key", "cheap-key", "strict-key"
 KV_TOKENS = 4096
+
+SETTLE_BOUND_S = 10.0
+"""For what the front door does off the request path within a second (ledger rows written, the
+pace refreshed twice a second); generous for a loaded 2-core machine."""
+WINDOW_GROWTH_BOUND_S = 40.0
+"""For the admission window to grow until a turned-away session fits (it learns in steps)."""
+WINDOW_CUT_BOUND_S = 20.0
+"""For twenty missed objectives to cut the window (judged as the calls end)."""
+SAMPLE_INTERVAL_S = 0.002
+"""How often a test samples the engine's running calls: far below a call's length (60 tokens
+at 4 ms a step), so that a peak is not missed."""
 
 
 def tenants_toml() -> str:
@@ -259,7 +271,7 @@ async def test_calls_beyond_max_parallel_wait_for_their_own_session(door: Door) 
         nonlocal peak
         while True:
             peak = max(peak, len(door.engine._running))
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(SAMPLE_INTERVAL_S)  # sampling: a peak is no event to await
 
     async with door.client() as client:
         sid = (await client.post("/v1/sessions", json=session_body(max_parallel=2))).json()["id"]
@@ -283,12 +295,16 @@ async def test_calls_beyond_max_parallel_wait_for_their_own_session(door: Door) 
     assert record["calls_started"] == 6
 
 
+IDLE_TIMEOUT_S = 0.5
+IDLE_OUT_S = 1.2
+"""Left idle this long, past its idle timeout: the idling out is the behaviour under test."""
+
+
 async def test_an_idle_session_expires_and_its_calls_get_410(door: Door) -> None:
     async with door.client() as client:
-        sid = (await client.post("/v1/sessions", json=session_body(idle_timeout_s=0.5))).json()[
-            "id"
-        ]
-        await asyncio.sleep(1.2)
+        body = session_body(idle_timeout_s=IDLE_TIMEOUT_S)
+        sid = (await client.post("/v1/sessions", json=body)).json()["id"]
+        await asyncio.sleep(IDLE_OUT_S)
         got = (await client.get(f"/v1/sessions/{sid}")).json()
         call = await client.post(
             "/v1/chat/completions", json=chat(), headers={"X-Kvgate-Session": sid}
@@ -341,6 +357,16 @@ async def test_a_session_the_fleet_cannot_hold_now_is_deferred_with_an_honest_re
     assert after_release.status_code == 201
 
 
+HELD_FOR_S = 1.0
+"""How long a held session is watched not being answered: that it is not answered within this
+window is what is asserted."""
+HOLD_S = 1.5
+"""The hold that runs out (``max_wait_s``)."""
+RELEASE_WAKE_BOUND_S = 5.0
+"""How soon a release wakes a held session: generous for a loaded machine, it says only "not
+the hold's end" (8 s)."""
+
+
 async def test_a_session_that_does_not_fit_now_is_held_until_room_frees(
     fixed_door: Door,
 ) -> None:
@@ -352,26 +378,25 @@ async def test_a_session_that_does_not_fit_now_is_held_until_room_frees(
         loop = asyncio.get_running_loop()
         asked = loop.time()
         held = asyncio.create_task(client.post("/v1/sessions", json={**wide, "max_wait_s": 8}))
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(HELD_FOR_S)
         assert not held.done()  # held, not answered 503
         closed = loop.time()
         await client.delete(f"/v1/sessions/{admitted[0].json()['id']}")
         third = await held
         answered = loop.time()
         # Nothing closes now: the hold runs out and the answer is the deferral, as without one.
-        timed_out = await client.post("/v1/sessions", json={**wide, "max_wait_s": 1.5})
+        timed_out = await client.post("/v1/sessions", json={**wide, "max_wait_s": HOLD_S})
         gave_up = loop.time()
         too_long = await client.post("/v1/sessions", json={**wide, "max_wait_s": 11})
         for resp in (admitted[1], third):
             await client.delete(f"/v1/sessions/{resp.json()['id']}")
     assert [r.status_code for r in admitted] == [201, 201]
     assert third.status_code == 201, third.text
-    # Admitted because of the release (woken by it on this replica), not by a retry; the
-    # bound on how soon is generous for a loaded machine and says only "not the hold's end".
-    assert closed - asked >= 1.0 and answered - closed < 5.0
+    # Admitted because of the release (woken by it on this replica), not by a retry.
+    assert closed - asked >= HELD_FOR_S and answered - closed < RELEASE_WAKE_BOUND_S
     assert (timed_out.status_code, timed_out.json()["error"]["code"]) == (503, "tier_capacity")
     assert 1 <= int(timed_out.headers["retry-after"]) <= 60
-    assert gave_up - answered >= 1.5
+    assert gave_up - answered >= HOLD_S
     assert (too_long.status_code, too_long.json()["error"]["param"]) == (400, "max_wait_s")
 
     def held_for() -> list[float | None]:
@@ -383,17 +408,22 @@ async def test_a_session_that_does_not_fit_now_is_held_until_room_frees(
 
     # One row per answer: the two admitted at once, the held one, the one that timed out.
     held_s = await poll_until(
-        lambda: asyncio.to_thread(held_for), lambda r: len(r) >= 4, timeout_s=10
+        lambda: asyncio.to_thread(held_for), lambda r: len(r) >= 4, timeout_s=SETTLE_BOUND_S
     )
     assert len(held_s) == 4 and held_s[:2] == [None, None]
-    assert (held_s[2] or 0) >= 1.0 and (held_s[3] or 0) >= 1.5
+    assert (held_s[2] or 0) >= HELD_FOR_S and (held_s[3] or 0) >= HOLD_S
+
+
+SESSION_LENGTH_S = 0.5
+"""How long the sessions the pace learns from stay open: their length is what it learns."""
 
 
 async def test_sessions_that_took_long_make_a_session_left_too_little_deadline_a_reject(
     door: Door,
 ) -> None:
     # One call of 50 output tokens: one round. 20 sessions (the fewest the pace learns from)
-    # each take at least 0.5 s, at least 10 ms per token: a session left 0.3 s cannot finish.
+    # each take at least 0.5 s (SESSION_LENGTH_S), at least 10 ms per token: a session left
+    # 0.3 s cannot finish.
     one = session_body(max_parallel=1, expected_calls=1, max_wait_s=0)
     short = {**one, "deadline_s": 0.3}
     async with door.client() as client:
@@ -402,7 +432,7 @@ async def test_sessions_that_took_long_make_a_session_left_too_little_deadline_a
         await client.delete(f"/v1/sessions/{before.json()['id']}")
         opened = [await client.post("/v1/sessions", json=one) for _ in range(20)]
         assert [r.status_code for r in opened] == [201] * 20
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(SESSION_LENGTH_S)
         for resp in opened:
             await client.delete(f"/v1/sessions/{resp.json()['id']}")
 
@@ -410,7 +440,7 @@ async def test_sessions_that_took_long_make_a_session_left_too_little_deadline_a
             return await client.post("/v1/sessions", json=short)
 
         # The pace is refreshed twice a second off the request path.
-        after = await poll_until(ask, lambda r: r.status_code == 503, timeout_s=10)
+        after = await poll_until(ask, lambda r: r.status_code == 503, timeout_s=SETTLE_BOUND_S)
         longer = await client.post("/v1/sessions", json={**one, "deadline_s": 30})
     assert after.json()["error"]["code"] == "deadline_infeasible"
     assert after.json()["decision"] == "reject" and "retry-after" not in after.headers
@@ -439,7 +469,9 @@ async def test_admission_window_grows_while_turned_away_and_shrinks_on_missed_ob
         async def ask() -> httpx.Response:
             return await client.post("/v1/sessions", json=wide)
 
-        later = await poll_until(ask, lambda r: r.status_code == 201, timeout_s=40)
+        later = await poll_until(
+            ask, lambda r: r.status_code == 201, timeout_s=WINDOW_GROWTH_BOUND_S
+        )
         grown = await window(client)
         for resp in [*held, later]:
             await client.delete(f"/v1/sessions/{resp.json()['id']}")
@@ -458,7 +490,10 @@ async def test_admission_window_grows_while_turned_away_and_shrinks_on_missed_ob
             )
         )
         cut = await poll_until(
-            lambda: window(strict), lambda v: v < before, timeout_s=20, interval_s=0.2
+            lambda: window(strict),
+            lambda v: v < before,
+            timeout_s=WINDOW_CUT_BOUND_S,
+            interval_s=0.2,
         )
         text = (await strict.get("/metrics")).text
     assert [c.status_code for c in calls] == [200] * 20
@@ -529,7 +564,9 @@ async def test_every_decision_is_in_the_ledger_and_the_metrics(door: Door) -> No
         await client.post("/v1/sessions", json=session_body())
         metrics = (await client.get("/metrics")).text
     rows = await poll_until(
-        lambda: asyncio.to_thread(ledger_rows, door.ledger), lambda r: len(r) >= 2, timeout_s=10
+        lambda: asyncio.to_thread(ledger_rows, door.ledger),
+        lambda r: len(r) >= 2,
+        timeout_s=SETTLE_BOUND_S,
     )
     assert rows == [
         ("small", "standard", "session", "admit", "admitted"),
@@ -571,10 +608,8 @@ def redis_down_door(nats_server: EmbeddedNats, tmp_path: Path, tenants_file: Pat
 async def test_with_redis_down_guaranteed_degrades_to_a_local_budget_and_others_wait(
     redis_down_door: str, nats_server: EmbeddedNats
 ) -> None:
-    from loadtests.heartbeats import stuck_worker_heartbeat
-
     await stuck_worker_heartbeat(nats_server.url)  # capacity to admit against: 2,048 tokens
-    await asyncio.sleep(0.3)
+    await wait_ready(redis_down_door)  # the front door saw it
     headers = {"Authorization": f"Bearer {ACME}"}
     async with httpx.AsyncClient(base_url=redis_down_door, headers=headers) as client:
         guaranteed = await client.post(
@@ -600,7 +635,6 @@ async def test_with_redis_down_guaranteed_degrades_to_a_local_budget_and_others_
 async def test_a_front_door_records_its_decisions_in_postgresql(
     nats_server: EmbeddedNats, tmp_path: Path, tenants_file: Path
 ) -> None:
-    from loadtests.heartbeats import stuck_worker_heartbeat
     from tests.databases import postgres_database
 
     def rows(url: str) -> list[tuple[str, str, str]]:
@@ -619,13 +653,15 @@ async def test_a_front_door_records_its_decisions_in_postgresql(
         )
         try:
             await stuck_worker_heartbeat(nats_server.url)
-            await asyncio.sleep(0.3)
+            await wait_ready(base)  # the front door saw it
             headers = {"Authorization": f"Bearer {SMALL}"}
             async with httpx.AsyncClient(base_url=base, headers=headers) as client:
                 assert (await client.post("/v1/sessions", json=session_body())).status_code == 201
                 assert (await client.post("/v1/sessions", json=session_body())).status_code == 429
             written = await poll_until(
-                lambda: asyncio.to_thread(rows, url), lambda r: len(r) >= 2, timeout_s=10
+                lambda: asyncio.to_thread(rows, url),
+                lambda r: len(r) >= 2,
+                timeout_s=SETTLE_BOUND_S,
             )
         finally:
             proc.stop()

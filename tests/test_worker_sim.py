@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from broker.natsserver import EmbeddedNats
 from broker.publisher import CallPublisher
@@ -26,15 +27,30 @@ from schemas.wire import (
     Failed,
     TokenDelta,
     call_subject,
+    consumer_name,
     decode_event,
     encode,
 )
+from tests.polling import poll_until
 from workers.engine import EngineStats
 from workers.settings import HeadroomSettings, WorkerSettings
 from workers.sim_engine import FAIL_MARKER, SimEngine, SimEngineConfig
 from workers.worker import Worker
 
 STREAM = StreamSettings(ack_wait_s=2, max_deliver=3)
+MODEL = "kvgate-sim"
+
+EVENT_BOUND_S = 30.0
+"""For an event that is due (a call's end, a worker's drain, its pull requests at the server):
+generous for a loaded 2-core machine, and still half the 60 s a pull request left open would
+keep a tier waiting (test_a_call_refused_on_arrival_does_not_hold_up_the_next)."""
+CANCEL_BOUND_S = 2.0
+"""How soon a cancel ends a running call that has 10 s of tokens left."""
+QUIET_WINDOW_S = 0.5
+"""How long a call is watched after its terminal event, in which nothing may follow it (a
+redelivery after a NAK would come 0.2 s later)."""
+SAMPLE_INTERVAL_S = 0.01
+"""How often a test samples the engine's KV usage: once a step (10 ms on the simulated engine)."""
 
 
 @dataclass
@@ -70,11 +86,11 @@ def call(
         call_id=call_id,
         session_id=call_id,
         tier=tier,
-        model="kvgate-sim",
+        model=MODEL,
         endpoint=Endpoint.CHAT_COMPLETIONS,
         body=json.dumps(
             {
-                "model": "kvgate-sim",
+                "model": MODEL,
                 "messages": [{"role": "user", "content": content}],
                 "stream": True,
             }
@@ -124,11 +140,29 @@ class Harness:
         await self.publisher.publish(envelope, subject, now_ms=envelope.created_ms)
         return inbox
 
+    async def doorbells_open(self) -> None:
+        """Until a pull request waits at every tier's consumer: a worker is subscribed (to
+        cancels too: it subscribes to them before it asks for calls) and listens on every
+        tier."""
+
+        async def waiting() -> list[int]:
+            counts = []
+            for tier in Tier:
+                try:
+                    info = await self.js.consumer_info(STREAM_NAME, consumer_name(tier, MODEL))
+                except NotFoundError:  # not provisioned by the worker yet
+                    counts.append(0)
+                else:
+                    counts.append(info.num_waiting or 0)
+            return counts
+
+        await poll_until(waiting, all, timeout_s=EVENT_BOUND_S, interval_s=0.02)
+
     async def stop(self) -> None:
         for worker, _ in self.workers:
             worker.request_stop()
         for _, task in self.workers:
-            await asyncio.wait_for(task, 20)
+            await asyncio.wait_for(task, EVENT_BOUND_S)
 
 
 @pytest.fixture
@@ -146,12 +180,12 @@ async def test_a_call_refused_on_arrival_does_not_hold_up_the_next(harness: Harn
     tier's pull credit; the worker must ask for more at once, not when the pull expires."""
     await harness.start_worker(pull_expires_s=60)
     refused = await harness.send(call("too-long", content="w " * 3000))
-    await asyncio.wait_for(refused.ended.wait(), 10)
+    await asyncio.wait_for(refused.ended.wait(), EVENT_BOUND_S)
     assert isinstance(refused.terminal, Failed)
     assert refused.terminal.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
-    # Generous (the pull request would keep the tier waiting 60 s), stated once.
+    # Within EVENT_BOUND_S, half the 60 s the pull request would keep the tier waiting.
     following = await harness.send(call("next", max_tokens=3))
-    await asyncio.wait_for(following.ended.wait(), 20)
+    await asyncio.wait_for(following.ended.wait(), EVENT_BOUND_S)
     assert isinstance(following.terminal, Done)
 
 
@@ -159,7 +193,7 @@ async def test_calls_complete_with_one_terminal_event(harness: Harness) -> None:
     await harness.start_worker()
     inboxes = [await harness.send(call(f"c{i}", max_tokens=5)) for i in range(6)]
     for inbox in inboxes:
-        await asyncio.wait_for(inbox.ended.wait(), 10)
+        await asyncio.wait_for(inbox.ended.wait(), EVENT_BOUND_S)
         assert isinstance(inbox.terminal, Done)
         assert sum(e.tokens for e in inbox.events if isinstance(e, TokenDelta)) == 5
         assert [e.seq for e in inbox.events] == list(range(len(inbox.events)))
@@ -168,8 +202,8 @@ async def test_calls_complete_with_one_terminal_event(harness: Harness) -> None:
 async def test_engine_errors_are_retried_then_reported_once(harness: Harness) -> None:
     await harness.start_worker()
     inbox = await harness.send(call("bad", content=f"x {FAIL_MARKER}"))
-    await asyncio.wait_for(inbox.ended.wait(), 15)
-    await asyncio.sleep(0.5)  # nothing may follow the terminal event
+    await asyncio.wait_for(inbox.ended.wait(), EVENT_BOUND_S)
+    await asyncio.sleep(QUIET_WINDOW_S)  # nothing may follow the terminal event
     assert len(inbox.events) == 1
     failed = inbox.terminal
     assert isinstance(failed, Failed)
@@ -190,7 +224,7 @@ async def test_a_call_past_its_deadline_is_never_started(harness: Harness) -> No
         call_subject(stale.tier, stale.model), encode(stale), headers=headers, msg_ttl=30
     )
     worker = await harness.start_worker()
-    await asyncio.wait_for(inbox.ended.wait(), 10)
+    await asyncio.wait_for(inbox.ended.wait(), EVENT_BOUND_S)
     failed = inbox.terminal
     assert isinstance(failed, Failed)
     assert failed.code == ErrorCode.DEADLINE_EXCEEDED
@@ -202,13 +236,13 @@ async def test_a_staged_call_whose_deadline_passes_is_dropped(harness: Harness) 
     # One sequence slot, doorbells open on every tier: the second call is delivered but waits
     # staged behind the long first one.
     worker = await harness.start_worker(SimEngineConfig(max_num_seqs=1, step_s=0.01))
-    await asyncio.sleep(0.2)
+    await harness.doorbells_open()
     long = await harness.send(call("long", tier=Tier.GUARANTEED, max_tokens=150))
     short = await harness.send(call("short", deadline_in_s=0.5))
-    await asyncio.wait_for(short.ended.wait(), 10)
+    await asyncio.wait_for(short.ended.wait(), EVENT_BOUND_S)
     assert isinstance(short.terminal, Failed)
     assert short.terminal.code == ErrorCode.DEADLINE_EXCEEDED
-    await asyncio.wait_for(long.ended.wait(), 10)
+    await asyncio.wait_for(long.ended.wait(), EVENT_BOUND_S)
     assert isinstance(long.terminal, Done)
     assert worker.counters.deadline_dropped == 1
 
@@ -222,7 +256,7 @@ async def test_burst_never_commits_past_the_high_water_mark(harness: Harness) ->
     peak_usage = 0.0
     while not all(i.ended.is_set() for i in inboxes):
         peak_usage = max(peak_usage, worker.engine.stats().kv_cache_usage or 0.0)
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(SAMPLE_INTERVAL_S)  # sampling: a peak is no event to await
     assert all(isinstance(i.terminal, Done) for i in inboxes)
     assert worker.counters.max_committed_tokens <= 0.8 * 2048
     assert peak_usage <= 0.8
@@ -236,22 +270,23 @@ async def test_guaranteed_calls_overtake_a_besteffort_backlog(harness: Harness) 
     backlog = [
         await harness.send(call(f"be{i}", tier=Tier.BESTEFFORT, max_tokens=20)) for i in range(12)
     ]
-    await asyncio.sleep(0.05)
+    # The engine is busy with the backlog when the guaranteed call comes.
+    await asyncio.wait_for(backlog[0].started.wait(), EVENT_BOUND_S)
     urgent = await harness.send(call("g", tier=Tier.GUARANTEED, max_tokens=20))
-    await asyncio.wait_for(urgent.ended.wait(), 10)
+    await asyncio.wait_for(urgent.ended.wait(), EVENT_BOUND_S)
     done_before = sum(1 for b in backlog if b.ended.is_set())
     assert done_before <= 6, done_before  # it did not wait behind the whole backlog
     for b in backlog:
-        await asyncio.wait_for(b.ended.wait(), 20)
+        await asyncio.wait_for(b.ended.wait(), EVENT_BOUND_S)
     assert worker.counters.completed == 13
 
 
 async def test_cancel_stops_a_running_call(harness: Harness) -> None:
     worker = await harness.start_worker(SimEngineConfig(step_s=0.01))
     inbox = await harness.send(call("long", max_tokens=1000))
-    await asyncio.wait_for(inbox.started.wait(), 5)
+    await asyncio.wait_for(inbox.started.wait(), EVENT_BOUND_S)
     await harness.nc.publish("kvgate.cancel.long", b"")
-    await asyncio.wait_for(inbox.ended.wait(), 2)
+    await asyncio.wait_for(inbox.ended.wait(), CANCEL_BOUND_S)
     assert isinstance(inbox.terminal, Failed)
     assert inbox.terminal.code == ErrorCode.CANCELLED
     assert worker.engine.stats().num_running == 0
@@ -262,43 +297,55 @@ async def test_drain_finishes_running_calls_and_hands_back_the_rest(harness: Har
     worker = await harness.start_worker(SimEngineConfig(max_num_seqs=1, step_s=0.01))
     first = await harness.send(call("first", max_tokens=30))
     second = await harness.send(call("second", max_tokens=30))
-    await asyncio.wait_for(first.started.wait(), 5)
+    await asyncio.wait_for(first.started.wait(), EVENT_BOUND_S)
     worker.request_stop()
-    await asyncio.wait_for(harness.workers[0][1], 10)
+    await asyncio.wait_for(harness.workers[0][1], EVENT_BOUND_S)
     assert isinstance(first.terminal, Done)
     assert not second.events  # never started here...
     # ...and handed back: a new worker serves it.
     await harness.start_worker()
-    await asyncio.wait_for(second.ended.wait(), 10)
+    await asyncio.wait_for(second.ended.wait(), EVENT_BOUND_S)
     assert isinstance(second.terminal, Done)
 
 
 async def test_drain_hands_back_a_running_call_that_outlives_the_grace(harness: Harness) -> None:
     worker = await harness.start_worker(SimEngineConfig(step_s=0.01), drain_grace_s=0.3)
     long = await harness.send(call("long", max_tokens=500))
-    await asyncio.wait_for(long.started.wait(), 5)
+    await asyncio.wait_for(long.started.wait(), EVENT_BOUND_S)
     worker.request_stop()
-    await asyncio.wait_for(harness.workers[0][1], 10)
+    await asyncio.wait_for(harness.workers[0][1], EVENT_BOUND_S)
     assert worker.counters.handed_back == 1
     assert not long.ended.is_set()  # no terminal event from the worker that gave it up
     # Redelivered, it completes elsewhere as attempt 2.
     await harness.start_worker(SimEngineConfig(step_s=0.001))
-    await asyncio.wait_for(long.ended.wait(), 10)
+    await asyncio.wait_for(long.ended.wait(), EVENT_BOUND_S)
     assert isinstance(long.terminal, Done)
     assert long.terminal.attempt == 2
 
 
 async def test_a_cancel_that_overtakes_its_call_stops_it_on_arrival(harness: Harness) -> None:
     worker = await harness.start_worker()
-    await asyncio.sleep(0.2)
+    await harness.doorbells_open()
     await harness.nc.publish("kvgate.cancel.early", b"")
-    await harness.nc.flush()
-    await asyncio.sleep(0.1)
+
+    async def cancels_held() -> dict[str, float]:
+        # No public reading says the worker got the cancel: its private memory of them does.
+        return worker._cancelled
+
+    await poll_until(
+        cancels_held, lambda held: "early" in held, timeout_s=EVENT_BOUND_S, interval_s=0.01
+    )
     inbox = await harness.send(call("early", max_tokens=50))
-    await asyncio.wait_for(inbox.ended.wait(), 5)
+    await asyncio.wait_for(inbox.ended.wait(), EVENT_BOUND_S)
     assert isinstance(inbox.terminal, Failed)
     assert inbox.terminal.code == ErrorCode.CANCELLED
     assert worker.counters.started == 0
+
+
+PAST_FIRST_PULLS_S = 3.0
+"""The harness's pull requests expire after 2 s; a second more."""
+RESERVE_START_BOUND_S = 0.5
+"""How soon a guaranteed call starts in the reserve: far below a best-effort call's 4 s."""
 
 
 async def test_staged_lower_tier_calls_do_not_keep_a_guaranteed_call_out(harness: Harness) -> None:
@@ -310,16 +357,17 @@ async def test_staged_lower_tier_calls_do_not_keep_a_guaranteed_call_out(harness
     low = [
         await harness.send(call(f"be{i}", tier=Tier.BESTEFFORT, max_tokens=400)) for i in range(3)
     ]
-    # Past the first pull requests' expiry (2 s): every doorbell open now was renewed under
-    # that pressure.
-    await asyncio.sleep(3.0)
+    # Past the first pull requests' expiry: every doorbell open now was renewed under that
+    # pressure. The time passing is the condition under test.
+    await asyncio.sleep(PAST_FIRST_PULLS_S)
     sent = time.monotonic()
     urgent = await harness.send(call("g", tier=Tier.GUARANTEED, max_tokens=10))
-    await asyncio.wait_for(urgent.started.wait(), 5)
-    assert time.monotonic() - sent < 0.5  # started in the reserve, not after a best-effort call
-    await asyncio.wait_for(urgent.ended.wait(), 5)
+    await asyncio.wait_for(urgent.started.wait(), EVENT_BOUND_S)
+    # Started in the reserve, not after a best-effort call (4 s).
+    assert time.monotonic() - sent < RESERVE_START_BOUND_S
+    await asyncio.wait_for(urgent.ended.wait(), EVENT_BOUND_S)
     for inbox in low:
-        await asyncio.wait_for(inbox.ended.wait(), 30)
+        await asyncio.wait_for(inbox.ended.wait(), EVENT_BOUND_S)
 
 
 class StaleStatsEngine(SimEngine):
@@ -345,7 +393,7 @@ async def test_an_idle_worker_reports_idle_whatever_its_engines_last_reading_sai
     task = asyncio.create_task(worker.run())
     harness.workers.append((worker, task))
     inbox = await harness.send(call("busy", max_tokens=20))
-    await asyncio.wait_for(inbox.started.wait(), 10)
+    await asyncio.wait_for(inbox.started.wait(), EVENT_BOUND_S)
     busy = worker.heartbeat()  # while its call runs, the engine's reading stands
     assert (busy.kv_cache_usage, busy.num_running, busy.num_waiting) == (0.4, 1, 2)
-    await asyncio.wait_for(inbox.ended.wait(), 10)
+    await asyncio.wait_for(inbox.ended.wait(), EVENT_BOUND_S)
