@@ -132,5 +132,8 @@ def admission_state(settings: ApiSettings) -> AdmissionState:
     if settings.redis_url is None:
         return MemoryAdmissionState()
     return RedisAdmissionState(
-        settings.redis_url, prefix=settings.redis_prefix, timeout_s=settings.redis_timeout_s
+        settings.redis_url,
+        prefix=settings.redis_prefix,
+        timeout_s=settings.redis_timeout_s,
+        max_connections=settings.redis_max_connections,
     )

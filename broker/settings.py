@@ -68,6 +68,9 @@ class ApiSettings(BaseSettings):
     # A Redis operation slower than this is "admission state unavailable" (503, or the degraded
     # local budget for `degraded_tiers`): it bounds how long a blackholed Redis stalls callers.
     redis_timeout_s: float = Field(default=0.5, gt=0, le=30)
+    # Connections to Redis one front door keeps at most. A decision beyond them waits for one
+    # (up to `redis_timeout_s`) rather than failing: each holds a connection for one script.
+    redis_max_connections: int = Field(default=64, ge=1, le=10_000)
     database_url: str = "sqlite:///.kvgate/ledger.db"
     ledger_queue: int = Field(default=10_000, ge=1)
     replica_id: str | None = None

@@ -39,6 +39,7 @@ from typing import Any
 import aiohttp
 import nats
 
+from broker.admission.redis_store import RedisAdmissionState
 from broker.natsserver import EmbeddedNats
 from broker.procs import Proc, free_port, wait_http
 from kvgate.cli import COMMAND
@@ -119,6 +120,7 @@ async def front_doors(
 ) -> AsyncIterator[dict[str, tuple[Proc, str]]]:
     server = EmbeddedNats(root / "nats", log_file=root / "nats.log").start()
     doors: dict[str, tuple[Proc, str]] = {}
+    prefixes = {name: f"{{kvgate-ab-{name}-{uuid.uuid4().hex[:8]}}}" for name in checkouts}
     nc = None
     beat_task: asyncio.Task[None] | None = None
     try:
@@ -131,7 +133,7 @@ async def front_doors(
                     "PYTHONPATH": str(checkout.resolve()),
                     "KVGATE_NATS_URL": server.url,
                     "KVGATE_REDIS_URL": redis_url,
-                    "KVGATE_REDIS_PREFIX": f"{{kvgate-ab-{name}-{uuid.uuid4().hex[:8]}}}",
+                    "KVGATE_REDIS_PREFIX": prefixes[name],
                     "KVGATE_DATABASE_URL": f"sqlite:///{root / name}.db",
                 },
                 root,
@@ -161,6 +163,10 @@ async def front_doors(
         for proc, _ in doors.values():
             proc.stop()
         server.stop()
+        for prefix in prefixes.values():  # the sessions the run left in the shared Redis
+            store = RedisAdmissionState(redis_url, prefix=prefix)
+            await store.delete_all()
+            await store.close()
 
 
 async def one_repeat(

@@ -275,3 +275,17 @@ def test_the_redis_script_declares_no_tier_of_its_own() -> None:
 
     lua = (resources.files("broker.admission") / "store.lua").read_text(encoding="utf-8")
     assert [tier.value for tier in Tier if f"'{tier.value}'" in lua] == []
+
+
+async def test_a_burst_beyond_the_redis_connections_waits_for_one_instead_of_failing() -> None:
+    """More concurrent calls than the pool's connections queue for one (bounded by the
+    timeout); they are not answered "admission state unavailable"."""
+    store = RedisAdmissionState(
+        REDIS_URL, prefix=f"{{kvgate-test-{uuid.uuid4().hex[:8]}}}", max_connections=2
+    )
+    try:
+        answers = await asyncio.gather(*(store.holdings("t", T0) for _ in range(50)))
+        assert len(answers) == 50
+    finally:
+        await store.delete_all()
+        await store.close()

@@ -71,16 +71,27 @@ class RedisAdmissionState:
         prefix: str = "{kvgate}",
         retention_ms: int = DEFAULT_RETENTION_MS,
         timeout_s: float = 0.5,
+        max_connections: int = 64,
     ) -> None:
+        """``timeout_s`` bounds every wait on Redis: a connection from the pool, connecting,
+        a reply. At most ``max_connections`` are open; a call beyond them waits for one.
+
+        redis-py's default pool fails a call at once ("Too many connections") when more than
+        its 100 connections are in use: a burst of concurrent decisions on one front door then
+        read as Redis being unreachable (seen: a 300-request burst on three replicas admitted
+        in degraded mode). The blocking pool queues them instead, bounded by ``timeout_s``."""
         self.prefix = prefix
         self.retention_ms = retention_ms
-        self._redis = aioredis.Redis.from_url(
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=max_connections,
+            timeout=timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             decode_responses=True,
             retry_on_timeout=False,
         )
+        self._redis = aioredis.Redis.from_pool(pool)
         self._script = self._redis.register_script(_SCRIPT)
 
     async def _call(self, op: str, now_ms: int, *args: str | int) -> Any:
