@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from loadtests.stats import percentile, percentiles, summary
@@ -44,7 +45,6 @@ def test_a_percentile_is_a_whole_number_from_0_to_100(q: float) -> None:
 
 
 def test_the_definition_is_numpys_default() -> None:
-    np = pytest.importorskip("numpy")
     rng = random.Random(7)
     for n in (2, 3, 10, 41, 1000):
         values = [rng.lognormvariate(0.0, 1.0) for _ in range(n)]

@@ -181,8 +181,8 @@ class Admitter:
     async def _tick(self, interval_s: float) -> None:
         while True:
             now_ms = int(time.time() * 1000)
-            snapshot = self.snapshot(now_ms)
-            self.pressure.observe(fleet_load(snapshot, self.max_age_s))
+            snapshot = self.signals.snapshot(now_ms)
+            self.pressure.observe(fleet_load(snapshot, self.signals.max_age_s))
             self.metrics.pressure.set(int(self.pressure.state))
             if self.fallback is not None:
                 await self.fallback.sweep(now_ms)
@@ -201,7 +201,7 @@ class Admitter:
             await asyncio.sleep(interval_s)
 
     def _learn_windows(self, now_ms: int, snapshot: FleetSnapshot) -> None:
-        room = fleet_has_room(snapshot, self.max_age_s, self.windows.bounds.room_below)
+        room = fleet_has_room(snapshot, self.signals.max_age_s, self.windows.bounds.room_below)
         windows = self.windows.step(now_ms / 1000, room=room)
         for tier, window in windows.items():
             self.metrics.window.labels(tier.value).set(window)
@@ -220,13 +220,6 @@ class Admitter:
         newest_ms = now_ms - int(min(fresh, default=0.0) * 1000)
         # Entries the fleet has surely seen are dropped; none older than a reading lingers.
         return self._admitted_recently.tokens_since(newest_ms - UNSEEN_MARGIN_MS)
-
-    @property
-    def max_age_s(self) -> float:
-        return self.signals.max_age_s
-
-    def snapshot(self, now_ms: int) -> FleetSnapshot:
-        return self.signals.snapshot(now_ms)
 
     # -- sessions ---------------------------------------------------------------------------
 
@@ -287,7 +280,7 @@ class Admitter:
         asks again."""
         started = time.perf_counter()
         now_ms = int(time.time() * 1000)
-        snapshot = self.snapshot(now_ms)
+        snapshot = self.signals.snapshot(now_ms)
         try:
             admitted, decision = await self._admit_on(
                 self.state,
@@ -380,7 +373,7 @@ class Admitter:
             holdings,
             self.pressure.state,
             policy,
-            max_age_s=self.max_age_s,
+            max_age_s=self.signals.max_age_s,
             jitter=jitter,
             factors=[f * share for f in self.windows.group_factors()],
             session_pace_s=None if self.pace is None else self.pace.current,
