@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from sqlalchemy.engine import make_url
 
 from api.batches.runner import BatchRunner
+from api.calls import CallLine
 from api.errors import install_error_handlers
 from api.frontdoor import FrontDoor
 from api.metrics import FrontDoorMetrics
@@ -79,8 +80,14 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 settings=settings,
                 nc=nc,
                 js=js,
-                publisher=publisher,
-                replies=replies,
+                calls=CallLine(
+                    publisher=publisher,
+                    replies=replies,
+                    nc=nc,
+                    stream_idle_timeout_s=settings.stream_idle_timeout_s,
+                    metrics=metrics,
+                    judge=admitter.judge_call,
+                ),
                 fleet=fleet,
                 fleet_watcher=watcher,
                 signals=signals,

@@ -1,4 +1,5 @@
-"""Reading a request's body: the size limit every route applies, and JSON objects.
+"""Reading a request: the body's size limit every route applies, JSON objects, and the
+``Idempotency-Key`` header.
 
 Every route that takes a body reads it here rather than through FastAPI's body binding, so that
 an oversized body is refused before it is read whole and malformed JSON gets its own code.
@@ -11,7 +12,10 @@ from typing import Any
 
 from fastapi import Request
 
-from broker.errors import BodyTooLarge, InvalidJson, InvalidRequest
+from broker.errors import BodyTooLarge, InvalidJson, InvalidParameter, InvalidRequest
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+MAX_IDEMPOTENCY_KEY = 255
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -42,3 +46,15 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise InvalidRequest("request body must be a JSON object")
     return raw
+
+
+def idempotency_key(request: Request) -> str | None:
+    """The request's ``Idempotency-Key``, or None; ``invalid_parameter`` unless it is 1-255
+    printable characters (the length the session and batch tables store)."""
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    if key is not None and not (0 < len(key) <= MAX_IDEMPOTENCY_KEY and key.isprintable()):
+        raise InvalidParameter(
+            f"{IDEMPOTENCY_HEADER} must be 1-{MAX_IDEMPOTENCY_KEY} printable characters",
+            param=IDEMPOTENCY_HEADER,
+        )
+    return key

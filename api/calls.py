@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
+from nats.aio.client import Client as NATS
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from api.frontdoor import FrontDoor
-from api.replies import ReplyEvent
+from api.metrics import FrontDoorMetrics
+from api.replies import ReplyEvent, ReplyRouter
 from broker.admission.objectives import Objective
 from broker.errors import DeadlineExceeded, KvgateError, WorkerLost, error_class
+from broker.publisher import CallPublisher
 from broker.telemetry import inject_headers, tracer
-from schemas.vocab import ErrorCode
+from schemas.vocab import ErrorCode, Tier
 from schemas.wire import (
     CANCEL_SUBJECT_PREFIX,
     CallEnvelope,
@@ -41,8 +43,22 @@ class Restarted:
     attempt: int
 
 
+@dataclass(frozen=True, slots=True)
+class CallLine:
+    """What following a call needs of the front door, and nothing more: where calls are
+    published, where their replies arrive, where cancels go, how long a started call may stay
+    silent, the call metrics, and admission's judge of calls against their objectives."""
+
+    publisher: CallPublisher
+    replies: ReplyRouter
+    nc: NATS
+    stream_idle_timeout_s: float
+    metrics: FrontDoorMetrics
+    judge: Callable[[Tier, bool], None]
+
+
 async def follow_call(
-    door: FrontDoor, call: CallEnvelope, objective: Objective | None = None
+    line: CallLine, call: CallEnvelope, objective: Objective | None = None
 ) -> AsyncGenerator[list[ReplyEvent] | Restarted, None]:
     """Publish ``call`` and yield its reply events in arrival batches until the terminal one.
     A call with an ``objective`` is judged against it when it ends, for admission.
@@ -50,9 +66,9 @@ async def follow_call(
     Raises ``KvgateError`` (from publishing, or a timeout); a worker's ``Failed`` event is
     yielded like any other, since what it means depends on what the client already has.
     """
-    stream = door.replies.open(call.call_id)
+    stream = line.replies.open(call.call_id)
     finished = False
-    observed = _CallObservation(door, call, objective)
+    observed = _CallObservation(line, call, objective)
     # Spans are started and ended by hand, not made current: this generator yields, and a
     # context made current here would leak into (or be reset from) the consumer's context.
     parent = otel_context.get_current()
@@ -79,7 +95,7 @@ async def follow_call(
         # stream's acknowledgement does.
         observed.publishing()
         try:
-            seq = await door.publisher.publish(
+            seq = await line.publisher.publish(
                 call, stream.inbox, now_ms=int(time.time() * 1000), trace_headers=trace_headers
             )
             publish_span.set_attribute("messaging.message.id", str(seq))
@@ -95,7 +111,7 @@ async def follow_call(
             if attempt is None:
                 timeout = call.deadline_ms / 1000 - time.time()
             else:
-                timeout = door.settings.stream_idle_timeout_s
+                timeout = line.stream_idle_timeout_s
             try:
                 batch = await stream.next_batch(timeout)
             except TimeoutError:
@@ -105,7 +121,7 @@ async def follow_call(
                         f"({(call.deadline_ms - call.created_ms) / 1000:g}s)"
                     ) from None
                 raise WorkerLost(
-                    f"the worker sent nothing for {door.settings.stream_idle_timeout_s:g}s",
+                    f"the worker sent nothing for {line.stream_idle_timeout_s:g}s",
                 ) from None
             observed.events(batch)
             current: list[ReplyEvent] = []
@@ -128,10 +144,10 @@ async def follow_call(
         raise
     finally:
         observed.ended("abandoned")
-        door.replies.close(call.call_id)
+        line.replies.close(call.call_id)
         if not finished:
             with contextlib.suppress(Exception):
-                await door.nc.publish(f"{CANCEL_SUBJECT_PREFIX}{call.call_id}", b"")
+                await line.nc.publish(f"{CANCEL_SUBJECT_PREFIX}{call.call_id}", b"")
         if stream_span is not None:
             stream_span.end()
 
@@ -144,9 +160,9 @@ class _CallObservation:
     waited for one of its own session's slots waited on its session, not on the fleet, and
     admission must not shrink the fleet's window for it."""
 
-    def __init__(self, door: FrontDoor, call: CallEnvelope, objective: Objective | None) -> None:
-        self._metrics = door.metrics
-        self._admitter = door.admitter
+    def __init__(self, line: CallLine, call: CallEnvelope, objective: Objective | None) -> None:
+        self._metrics = line.metrics
+        self._judge_call = line.judge
         self._objective = objective
         self._call_tier = call.tier
         self._tier = call.tier.value
@@ -205,7 +221,7 @@ class _CallObservation:
         self.ended("ok")
 
     def _judge(self, met: bool) -> None:
-        self._admitter.judge_call(self._call_tier, met)
+        self._judge_call(self._call_tier, met)
         self._metrics.objective_met.labels(self._tier, "yes" if met else "no").inc()
 
     def ended(self, outcome: str) -> None:

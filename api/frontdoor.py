@@ -11,15 +11,14 @@ from nats.js import JetStreamContext
 from sqlalchemy.engine import Engine
 
 from api.batches.runner import BatchRunner
+from api.calls import CallLine
 from api.chat_request import check_known_model
 from api.metrics import FrontDoorMetrics
-from api.replies import ReplyRouter
 from broker.admission.admitter import Admitter
 from broker.admission.leases import SessionLeases
 from broker.admission.signals import FleetSignals
 from broker.errors import NoWorkers
 from broker.fleet import FleetView, FleetWatcher
-from broker.publisher import CallPublisher
 from broker.settings import ApiSettings
 
 
@@ -30,8 +29,7 @@ class FrontDoor:
     settings: ApiSettings
     nc: NATS
     js: JetStreamContext
-    publisher: CallPublisher
-    replies: ReplyRouter
+    calls: CallLine
     fleet: FleetView
     fleet_watcher: FleetWatcher
     signals: FleetSignals

@@ -28,9 +28,8 @@ from api.batches.store import (
     error_file_id,
     output_file_id,
 )
-from api.bodies import parse_json_object, read_body
+from api.bodies import idempotency_key, parse_json_object, read_body
 from api.deps import FrontDoorDep, TenantDep
-from api.routes.sessions import IDEMPOTENCY_HEADER
 from broker.db import utcnow
 from broker.errors import BatchNotFound, InvalidRequest, NotFound, UnsupportedParameter
 from schemas.vocab import Tier
@@ -69,7 +68,7 @@ async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) 
         raise InvalidRequest(
             f"every line of the batch is invalid; first: {submission.errors[0].message}",
         )
-    key = request.headers.get(IDEMPOTENCY_HEADER)
+    key = idempotency_key(request)
     now = utcnow()
     batch_id = f"batch_{uuid.uuid4().hex}"
     batch = {

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from api.bodies import parse_json_object, read_body
+from api.bodies import idempotency_key, parse_json_object, read_body
 from api.deps import FrontDoorDep, TenantDep
 from broker.admission import needs
 from broker.admission.state import SessionRecord
@@ -18,7 +18,6 @@ from schemas.vocab import Decision, Reason, Tier
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
-IDEMPOTENCY_HEADER = "Idempotency-Key"
 MAX_WAIT_SHARE_OF_DEADLINE = 0.25
 """A session held longer than this share of its deadline is left too little time to finish in
 (the deadline check at admission assumes the fastest speed the fleet shows): answer instead."""
@@ -43,12 +42,7 @@ async def create_session(request: Request, door: FrontDoorDep, tenant: TenantDep
             f"max_wait_s must be at most {settings.admission_max_wait_s:g}",
             param="max_wait_s",
         )
-    key = request.headers.get(IDEMPOTENCY_HEADER)
-    if key is not None and not (0 < len(key) <= 255 and key.isprintable()):
-        raise InvalidParameter(
-            f"{IDEMPOTENCY_HEADER} must be 1-255 printable characters",
-            param=IDEMPOTENCY_HEADER,
-        )
+    key = idempotency_key(request)
     admitted = await door.admitter.admit(
         tenant,
         need,
