@@ -1,5 +1,5 @@
-"""Calls for tests: a call envelope as the front door publishes it, and one streamed chat
-call through a front door, timed."""
+"""Calls for tests: a chat completions body, a call envelope as the front door publishes it,
+and one streamed chat call through a front door, timed."""
 
 from __future__ import annotations
 
@@ -15,19 +15,44 @@ from schemas.wire import CallEnvelope
 MODEL = "kvgate-dev"
 
 
+def chat_body(content: str = "hello", max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    """A chat completions body with one user message, for the development model unless
+    ``extra`` names another; ``extra`` adds or overrides fields (``stream``, ``model``...)."""
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        # The random-weight model can emit end-of-sequence early; exact lengths make the
+        # usage assertions meaningful (the simulated engine always runs to max_tokens).
+        "ignore_eos": True,
+        **extra,
+    }
+
+
 def make_call(
-    call_id: str, *, tier: Tier = Tier.STANDARD, deadline_in_s: float = 30, model: str = MODEL
+    call_id: str,
+    *,
+    tier: Tier = Tier.STANDARD,
+    deadline_in_s: float = 30,
+    model: str = MODEL,
+    session_id: str = "s1",
+    content: str = "hi",
+    max_tokens: int = 4,
+    stream: bool = False,
 ) -> CallEnvelope:
     now_ms = int(time.time() * 1000)
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}]}
+    if stream:
+        body["stream"] = True
     return CallEnvelope(
         call_id=call_id,
-        session_id="s1",
+        session_id=session_id,
         tier=tier,
         model=model,
         endpoint=Endpoint.CHAT_COMPLETIONS,
-        body=json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode(),
-        stream=False,
-        max_tokens=4,
+        body=json.dumps(body).encode(),
+        stream=stream,
+        max_tokens=max_tokens,
         deadline_ms=now_ms + int(deadline_in_s * 1000),
         created_ms=now_ms,
     )

@@ -13,45 +13,28 @@ from typing import Any
 import httpx
 import pytest
 
-from broker.admission.tenants import hash_key
 from broker.natsserver import EmbeddedNats
 from broker.procs import Proc
-from tests.polling import poll_until
+from tests.batches import batch_results, wait_for_batch
+from tests.calls import chat_body
 from tests.procs import start_api
 from tests.simworker import sim_worker
+from tests.tenants import tenant, write_tenants_file
 from workers.sim_engine import SimEngine, SimEngineConfig
 
 MODEL = "kvgate-sim"
 ACME, OTHER, CHEAP = "acme-key", "other-key", "cheap-key"
 
-
-def tenants_toml() -> str:
-    return f"""
-[[tenants]]
-id = "acme"
-key_sha256 = "{hash_key(ACME)}"
-max_tier = "guaranteed"
-
-[[tenants]]
-id = "other"
-key_sha256 = "{hash_key(OTHER)}"
-
-[[tenants]]
-id = "cheap"
-key_sha256 = "{hash_key(CHEAP)}"
-max_tier = "besteffort"
-"""
+BATCH_END_BOUND_S = 60.0
+"""For a batch of up to twenty calls to end on the simulated engine: generous for a loaded
+2-core machine."""
 
 
 def line(custom_id: str, session: str, *, max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
     return {
         "custom_id": custom_id,
         "session": session,
-        "body": {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": f"step {custom_id}"}],
-            "max_tokens": max_tokens,
-        },
+        "body": chat_body(f"step {custom_id}", max_tokens, model=MODEL),
         **extra,
     }
 
@@ -70,8 +53,12 @@ class Door:
 
 @pytest.fixture
 async def door(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Door]:
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(tenants_toml())
+    tenants = write_tenants_file(
+        tmp_path,
+        tenant("acme", ACME, max_tier="guaranteed"),
+        tenant("other", OTHER),
+        tenant("cheap", CHEAP, max_tier="besteffort"),
+    )
     db = tmp_path / "kvgate.db"
 
     def start() -> tuple[Proc, str]:
@@ -100,24 +87,6 @@ async def door(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Door]
         procs[-1][0].stop()
 
 
-async def finished(client: httpx.AsyncClient, batch_id: str, timeout_s: float = 60) -> Any:
-    final = {"completed", "failed", "expired", "cancelled"}
-    resp = await poll_until(
-        lambda: client.get(f"/v1/batches/{batch_id}"),
-        lambda r: r.json()["status"] in final,
-        timeout_s=timeout_s,
-        interval_s=0.2,
-    )
-    return resp.json()
-
-
-async def results(client: httpx.AsyncClient, batch_id: str) -> list[dict[str, Any]]:
-    resp = await client.get(f"/v1/batches/{batch_id}/results")
-    assert resp.status_code == 200
-    assert resp.headers["content-type"].startswith("application/jsonl")
-    return [json.loads(x) for x in resp.text.split("\n") if x]
-
-
 async def test_a_batch_of_sessions_completes_with_one_result_per_line_in_session_order(
     door: Door,
 ) -> None:
@@ -134,8 +103,8 @@ async def test_a_batch_of_sessions_completes_with_one_result_per_line_in_session
             "1h",
         )
         assert batch["request_counts"]["total"] == 17 and batch["errors"] == []
-        done = await finished(client, batch["id"])
-        out = await results(client, batch["id"])
+        done = await wait_for_batch(client, batch["id"], timeout_s=BATCH_END_BOUND_S)
+        out = await batch_results(client, batch["id"])
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 17
     assert [r["custom_id"] for r in out] == [x["custom_id"] for x in lines]
     assert all(r["status"] == "completed" and r["status_code"] == 200 for r in out)
@@ -174,8 +143,8 @@ async def test_bad_lines_are_reported_and_answered_and_a_bad_batch_is_a_400(door
             (6, "bad-tokens", "invalid_max_tokens"),
             (7, "streamy", "unsupported_parameter"),
         }
-        await finished(client, body["id"])
-        out = await results(client, body["id"])
+        await wait_for_batch(client, body["id"], timeout_s=BATCH_END_BOUND_S)
+        out = await batch_results(client, body["id"])
         assert len(out) == 7  # one result per input line, bad ones included
         assert [r["status"] for r in out].count("completed") == 1
         assert {r["error"]["code"] for r in out if r["status"] == "failed"} >= {"model_not_found"}
@@ -250,11 +219,11 @@ async def test_an_idempotency_key_and_pagination(door: Door) -> None:
 async def test_results_survive_a_restart_of_the_front_door(door: Door) -> None:
     async with door.client() as client:
         batch = (await client.post("/v1/batches", json={"requests": [line("r1", "s")]})).json()
-        await finished(client, batch["id"])
-        before = await results(client, batch["id"])
+        await wait_for_batch(client, batch["id"], timeout_s=BATCH_END_BOUND_S)
+        before = await batch_results(client, batch["id"])
     door.base = await asyncio.to_thread(door.restart)
     async with door.client() as client:
-        after = await results(client, batch["id"])
+        after = await batch_results(client, batch["id"])
         status = (await client.get(f"/v1/batches/{batch['id']}")).json()["status"]
     assert after == before and status == "completed"
     assert after[0]["body"]["choices"][0]["finish_reason"] == "length"
@@ -272,8 +241,8 @@ async def test_work_left_when_the_window_closes_is_reported_expired_per_line(
                 "UPDATE batches SET expires_at = '2000-01-01 00:00:00' WHERE id = ?",
                 (batch["id"],),
             )
-        done = await finished(client, batch["id"])
-        out = await results(client, batch["id"])
+        done = await wait_for_batch(client, batch["id"], timeout_s=BATCH_END_BOUND_S)
+        out = await batch_results(client, batch["id"])
     statuses = [r["status"] for r in out]
     assert done["status"] == "expired"
     assert len(out) == 20 and set(statuses) <= {"completed", "expired"}

@@ -10,13 +10,12 @@ import httpx
 import openai
 import pytest
 
+from tests.calls import MODEL, chat_body
 from tests.conftest import Stack
 from tests.polling import poll_until
 from workers.settings import WorkerSettings
 from workers.sim_engine import SimEngine, SimEngineConfig
 from workers.worker import Worker
-
-MODEL = "kvgate-dev"
 
 CLIENT_TIMEOUT_S = 60
 """A short call on the CPU engine shared with the other tests' load: far more than it takes."""
@@ -27,18 +26,6 @@ DISCONNECT_WINDOW_S = 0.3
 """How long the front door is given to read the disconnect before its log is read: nothing
 observable says it has (a clean disconnect logs nothing), so this is a window in which an
 error, if any, would be logged."""
-
-
-def chat_body(content: str = "hello", max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        # The random-weight model can emit end-of-sequence early; exact lengths make the
-        # usage assertions meaningful.
-        "ignore_eos": True,
-        **extra,
-    }
 
 
 def sse_events(raw: bytes) -> list[str]:

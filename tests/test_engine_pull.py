@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from tests.calls import MODEL, stream_call
+from tests.calls import chat_body, stream_call
 from tests.conftest import Stack
 from tests.sampler import sample_fleet
 
@@ -36,18 +36,13 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def body(
-    max_tokens: int, content: str = "the agent reads the file", **extra: Any
-) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-        **extra,
-    }
+def body(max_tokens: int) -> dict[str, Any]:
+    return chat_body(
+        "the agent reads the file",
+        max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
 
 
 async def test_burst_of_three_caches_stays_under_the_high_water_mark(stack: Stack) -> None:

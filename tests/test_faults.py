@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from broker.natsserver import EmbeddedNats
 from broker.procs import Proc
 from schemas.wire import STREAM_NAME, TokenDelta, decode_event
+from tests.calls import chat_body
 from tests.procs import start_api, start_worker
 from tests.sampler import FleetSampler, sample_fleet
 
@@ -86,13 +87,7 @@ async def fleet(faults: FaultStack) -> AsyncIterator[FleetSampler]:
 
 
 def body(max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {
-        "model": "kvgate-dev",
-        "messages": [{"role": "user", "content": "write the plan"}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        **extra,
-    }
+    return chat_body("write the plan", max_tokens, **extra)
 
 
 class FirstTokens:

@@ -14,11 +14,13 @@ from typing import Any
 import openai
 import pytest
 
-from broker.admission.tenants import hash_key
 from broker.natsserver import EmbeddedNats
+from tests.batches import FINAL_STATUSES
+from tests.calls import chat_body
 from tests.polling import poll_until
 from tests.procs import start_api
 from tests.simworker import sim_worker
+from tests.tenants import tenant, write_tenants_file
 from workers.sim_engine import SimEngine, SimEngineConfig
 
 MODEL = "kvgate-sim"
@@ -36,13 +38,7 @@ class Doors:
 
 @pytest.fixture
 async def doors(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Doors]:
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(
-        "".join(
-            f'[[tenants]]\nid = "{name}"\nkey_sha256 = "{hash_key(key)}"\n\n'
-            for name, key in (("acme", ACME), ("other", OTHER))
-        )
-    )
+    tenants = write_tenants_file(tmp_path, tenant("acme", ACME), tenant("other", OTHER))
     env = {
         "KVGATE_TENANTS_FILE": str(tenants),
         "KVGATE_SERVED_MODEL_NAME": MODEL,
@@ -62,18 +58,13 @@ async def doors(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Door
         second.stop()
 
 
-def request_line(custom_id: str, **body: Any) -> str:
+def request_line(custom_id: str, max_tokens: int = 5) -> str:
     return json.dumps(
         {
             "custom_id": custom_id,
             "method": "POST",
             "url": "/v1/chat/completions",
-            "body": {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": f"step {custom_id}"}],
-                "max_tokens": 5,
-                **body,
-            },
+            "body": chat_body(f"step {custom_id}", max_tokens, model=MODEL),
         }
     )
 
@@ -84,9 +75,11 @@ BATCH_END_BOUND_S = 90.0
 
 
 async def ended(client: openai.AsyncOpenAI, batch_id: str) -> Any:
+    """Followed through the SDK (not ``tests.batches.wait_for_batch``): its view of the batch is
+    what is under test here."""
     return await poll_until(
         lambda: client.batches.retrieve(batch_id),
-        lambda batch: batch.status in ("completed", "failed", "expired", "cancelled"),
+        lambda batch: batch.status in FINAL_STATUSES,
         timeout_s=BATCH_END_BOUND_S,
         interval_s=0.2,
     )

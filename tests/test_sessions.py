@@ -17,12 +17,13 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.admission.tenants import hash_key
 from broker.natsserver import EmbeddedNats
 from loadtests.heartbeats import stuck_worker_heartbeat
+from tests.calls import chat_body
 from tests.polling import poll_until, wait_ready
 from tests.procs import start_api
 from tests.simworker import sim_worker
+from tests.tenants import tenant, write_tenants_file
 from workers.sim_engine import SimEngine, SimEngineConfig
 
 MODEL = "kvgate-sim"
@@ -41,39 +42,6 @@ SAMPLE_INTERVAL_S = 0.002
 at 4 ms a step), so that a peak is not missed."""
 
 
-def tenants_toml() -> str:
-    return f"""
-[tiers.standard]
-share = 0.8
-ttft_ms = 2000
-tpot_ms = 100
-default_deadline_s = 60
-
-[[tenants]]
-id = "acme"
-key_sha256 = "{hash_key(ACME)}"
-max_tier = "guaranteed"
-
-[[tenants]]
-id = "small"
-key_sha256 = "{hash_key(SMALL)}"
-max_tier = "standard"
-max_sessions = 1
-
-[[tenants]]
-id = "cheap"
-key_sha256 = "{hash_key(CHEAP)}"
-max_tier = "besteffort"
-
-# Asks for a first token within 10 microseconds: every one of its calls misses.
-[[tenants]]
-id = "strict"
-key_sha256 = "{hash_key(STRICT)}"
-[tenants.objectives.standard]
-ttft_ms = 0.01
-"""
-
-
 @dataclass
 class Door:
     base: str
@@ -87,9 +55,17 @@ class Door:
 
 @pytest.fixture
 def tenants_file(tmp_path: Path) -> Path:
-    path = tmp_path / "tenants.toml"
-    path.write_text(tenants_toml())
-    return path
+    return write_tenants_file(
+        tmp_path,
+        tenant("acme", ACME, max_tier="guaranteed"),
+        tenant("small", SMALL, max_tier="standard", max_sessions=1),
+        tenant("cheap", CHEAP, max_tier="besteffort"),
+        # Asks for a first token within 10 microseconds: every one of its calls misses.
+        tenant("strict", STRICT, objectives={"standard": {"ttft_ms": 0.01}}),
+        tiers={
+            "standard": {"share": 0.8, "ttft_ms": 2000, "tpot_ms": 100, "default_deadline_s": 60}
+        },
+    )
 
 
 @contextlib.asynccontextmanager
@@ -134,11 +110,7 @@ async def fixed_door(
 
 
 def chat(max_tokens: int = 20) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "plan the refactor"}],
-        "max_tokens": max_tokens,
-    }
+    return chat_body("plan the refactor", max_tokens, model=MODEL)
 
 
 def session_body(**extra: Any) -> dict[str, Any]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from broker.natsserver import EmbeddedNats
 from broker.publisher import CallPublisher
 from broker.settings import StreamSettings
 from broker.streams import provision_calls
-from schemas.vocab import Endpoint, ErrorCode, Tier
+from schemas.vocab import ErrorCode, Tier
 from schemas.wire import (
     STREAM_NAME,
     CallEnvelope,
@@ -31,6 +30,7 @@ from schemas.wire import (
     decode_event,
     encode,
 )
+from tests.calls import make_call
 from tests.polling import poll_until
 from workers.engine import EngineStats
 from workers.settings import HeadroomSettings, WorkerSettings
@@ -81,24 +81,16 @@ def call(
     max_tokens: int = 8,
     deadline_in_s: float = 30,
 ) -> CallEnvelope:
-    now_ms = int(time.time() * 1000)
-    return CallEnvelope(
-        call_id=call_id,
-        session_id=call_id,
+    """A streamed call, a session of its own, for the simulated engine."""
+    return make_call(
+        call_id,
         tier=tier,
+        deadline_in_s=deadline_in_s,
         model=MODEL,
-        endpoint=Endpoint.CHAT_COMPLETIONS,
-        body=json.dumps(
-            {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": content}],
-                "stream": True,
-            }
-        ).encode(),
-        stream=True,
+        session_id=call_id,
+        content=content,
         max_tokens=max_tokens,
-        deadline_ms=now_ms + int(deadline_in_s * 1000),
-        created_ms=now_ms,
+        stream=True,
     )
 
 
