@@ -86,7 +86,7 @@ async def run(stack: KvgateStack, args: argparse.Namespace) -> dict[str, Any]:
         async with asyncio.timeout(120):
             while True:  # the batch's progress lives in the front door: poll it
                 counts = (await client.get(f"/v1/batches/{batch_id}")).json()["request_counts"]
-                if counts["running"] >= 12:
+                if counts["running"] >= args.fill:
                     break
                 await asyncio.sleep(0.2)
         started = time.monotonic()
@@ -116,6 +116,14 @@ def main() -> int:
     parser.add_argument("--batch-tokens", type=int, default=256)
     parser.add_argument("--calls", type=int, default=4, help="guaranteed calls per wave")
     parser.add_argument("--waves", type=int, default=8)
+    parser.add_argument(
+        "--fill",
+        type=int,
+        default=6,
+        help="batch calls in flight that count as a full worker (default 6: about what "
+        "2,048 KV tokens hold of calls of ~270 tokens with the guaranteed reserve kept; "
+        "admission admits no more of the batch than the worker can start)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
         root = Path(tmp)

@@ -30,6 +30,7 @@ import httpx
 from kvgate.cli import COMMAND
 from loadtests import stats
 from loadtests.targets import EngineConfig, KvgateStack
+from workers.headroom import HeadroomPolicy
 from workers.settings import worker_env
 
 T = TypeVar("T")
@@ -244,7 +245,10 @@ async def run_burst(stack: KvgateStack) -> dict[str, Any]:
     return {
         "kv_capacity_tokens": after.kv_capacity_tokens,
         "offered_kv_tokens": 40 * 160,
-        "high_water": 0.9,
+        # The worker's defaults (the bench sets neither): best-effort calls commit up to the
+        # mark, guaranteed ones also the reserve above it.
+        "high_water": HeadroomPolicy().high_water,
+        "guaranteed_reserve": HeadroomPolicy().guaranteed_reserve,
         "peak_kv_cache_usage": peak["kv_cache_usage"],
         "peak_committed_tokens": peak["committed_tokens"],
         "peak_engine_waiting": peak["num_waiting"],
@@ -344,7 +348,8 @@ def main() -> int:
         )
     if burst:
         print(
-            f"burst: peak KV {burst['peak_kv_cache_usage']:.2f} (high water 0.90), preemptions "
+            f"burst: peak KV {burst['peak_kv_cache_usage']:.2f} "
+            f"(high water {burst['high_water']:.2f}), preemptions "
             f"{burst['preemptions']}, peak engine waiting {burst['peak_engine_waiting']}, TTFT p99 "
             f"guaranteed {burst['ttft_guaranteed_s']['p99']:.2f}s / best-effort "
             f"{burst['ttft_besteffort_s']['p99']:.2f}s"
