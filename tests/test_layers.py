@@ -21,6 +21,7 @@ PURE_CORES = (
     "broker/admission/objectives.py",
     "workers/headroom.py",
     "workers/pullplan.py",
+    "workers/core.py",
 )
 """Pure decision code: the clock and every reading are arguments, so a test steps it."""
 IO_MODULES = frozenset(

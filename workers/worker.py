@@ -2,11 +2,15 @@
 heartbeats, drain.
 
 Whenever something changes (a call arrives or ends, a pull request expires, a staged call's
-deadline comes), the worker:
+deadline comes), the worker steps its pure scheduling state (``workers.core.WorkerCore``) and
+carries out what it decides:
 
 1. drops staged calls whose deadline passed (``term``, and an ``error`` event to the caller);
 2. hands staged calls to the engine while ``workers.headroom`` says they fit, tier first;
-3. asks ``workers.pullplan`` how much new credit to open per tier for the room that is left.
+3. opens the new credit per tier that ``workers.pullplan`` plans for the room that is left.
+
+The core holds each call's scheduling state (staged or running, its load, its deadline); this
+shell holds the same call's message, relay, tasks and trace, under the same id.
 
 Calls then arrive on their own. Each is rendered and tokenized on arrival by vLLM's serving
 layer (its cost is the prompt the engine will hold, tools included, plus its output budget),
@@ -18,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
@@ -44,28 +47,18 @@ from schemas.wire import (
     decode_call,
     encode,
 )
+from workers.core import WorkerCore
 from workers.engine import (
     Engine,
     EngineDeadError,
     EngineError,
     EngineRequest,
     EngineRequestError,
-    EngineStats,
     PreparedRequest,
 )
-from workers.headroom import (
-    Headroom,
-    Load,
-    StagedCall,
-    call_load,
-    engine_priority,
-    fetchable_calls,
-    headroom,
-    predicted_peak,
-    select_starts,
-)
+from workers.headroom import engine_priority
 from workers.puller import TierPuller
-from workers.pullplan import TierView, held_back, plan_pulls
+from workers.pullplan import TierView
 from workers.relay import Relay, ReplyRelay
 from workers.result_relay import ResultRelay
 from workers.settings import WorkerSettings
@@ -73,7 +66,6 @@ from workers.tracing import CallTrace
 
 log = logging.getLogger(__name__)
 
-_COST_EWMA = 0.2
 # How often a call that is not streamed tells its caller that it is still generating (the
 # engine yields at least this often too); far below the front door's idle timeout (60 s).
 _PROGRESS_S = 5.0
@@ -89,28 +81,20 @@ class _StopReason:
 
 @dataclass(eq=False)
 class _Call:
-    """A call this worker holds, staged or running."""
+    """A call this worker holds, staged or running (which of the two is the core's to say)."""
 
     msg: Msg
     envelope: CallEnvelope
     prepared: PreparedRequest
-    staged: StagedCall
     relay: Relay
     progress: asyncio.Task[None]
     trace: CallTrace
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None
-    generated: int = 0
-    """Output tokens the engine produced for it so far (all its choices)."""
 
     @property
     def call_id(self) -> str:
         return self.envelope.call_id
-
-    def load(self, block_size: int) -> Load:
-        return call_load(
-            self.prepared.prompt_tokens, self.prepared.max_tokens, self.generated, block_size
-        )
 
 
 @dataclass
@@ -135,10 +119,9 @@ class Worker:
         self._nc: NATS | None = None
         self._kv: KeyValue | None = None
         self._pullers: dict[Tier, TierPuller] = {}
-        self._staged: dict[str, _Call] = {}
-        self._running: dict[str, _Call] = {}
-        self._est_call_tokens = float(self.policy.default_call_tokens)
-        self._held_since: dict[Tier, float] = {}
+        self._core = WorkerCore(self.policy)
+        self._calls: dict[str, _Call] = {}
+        """Every call the core holds, staged or running, by the same id."""
         self._changed = asyncio.Event()
         self._stopping = asyncio.Event()
         self._fatal: BaseException | None = None
@@ -208,108 +191,32 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), self._next_wake_s())
 
-    def _engine_stats(self) -> EngineStats:
-        """The engine's reading, except that an engine running none of this worker's calls is
-        idle: vLLM reports stats only when it steps, so an idle engine goes on showing the
-        running count and KV usage of its last step (the warm-up's, or the end of a burst)
-        until it steps again. Every request the engine holds is one of this worker's calls."""
-        stats = self.engine.stats()
-        if self._running or not (stats.num_running or stats.num_waiting or stats.kv_cache_usage):
-            return stats
-        return dataclasses.replace(stats, kv_cache_usage=0.0, num_running=0, num_waiting=0)
-
-    def _room(self) -> Headroom:
-        return headroom(
-            self._engine_stats(),
-            committed_tokens=self._committed_tokens(),
-            committed_seqs=len(self._running),
-            policy=self.policy,
-        )
-
     def _start_what_fits(self, now: float) -> None:
-        if not self._staged:
-            return
-        chosen = select_starts(
-            [c.staged for c in self._staged.values()],
-            self._room(),
-            engine_idle=not self._running,
-            now_s=now,
-            policy=self.policy,
-            running=self._loads(),
-        )
-        room = self._room() if chosen else None
-        for staged in chosen:
-            call = self._staged.pop(staged.key)
-            assert room is not None
-            call.trace.started(room.tokens, len(self._running) + 1, len(chosen))
-            self._running[call.call_id] = call
+        starts = self._core.start(self.engine.stats(), now)
+        for start in starts:
+            call = self._calls[start.call_id]
+            call.trace.started(start.room_tokens, start.running, start.together)
             self.counters.started += 1
             call.task = asyncio.create_task(self._generate(call))
             call.task.add_done_callback(functools.partial(self._finished, call))
-        if chosen:
+        if starts:
             self.counters.max_committed_tokens = max(
                 self.counters.max_committed_tokens, self._committed_tokens()
             )
 
-    def _loads(self) -> list[Load]:
-        block_size = self.engine.stats().block_size
-        return [call.load(block_size) for call in self._running.values()]
-
     def _committed_tokens(self) -> int:
-        """The predicted peak of the running calls (``workers/headroom.py``)."""
-        return predicted_peak(self._loads())
+        return self._core.committed_tokens(self.engine.stats().block_size)
 
     async def _open_credit(self, now: float) -> None:
-        room = self._room()
-        staged = [c.staged for c in self._staged.values()]
-        top = TIERS_BY_PRIORITY[0]
-        top_staged = [c for c in staged if c.tier is top]
-        # Staged lower-tier calls must not keep a guaranteed call from being fetched: it may
-        # start in the reserve they cannot use.
-        top_tier_room = (
-            room.seqs - len(top_staged) > 0
-            and room.tokens - sum(c.cost for c in top_staged) >= self.engine.stats().block_size
-        )
-        free = fetchable_calls(
-            room,
-            staged=staged,
-            capacity_tokens=self.engine.stats().kv_capacity_tokens,
-            est_call_tokens=int(self._est_call_tokens),
-            engine_idle=not self._running,
-            policy=self.policy,
-        )
         plain = [
             TierView(t, self._pullers[t].outstanding, self._pullers[t].backlog)
             for t in TIERS_BY_PRIORITY
         ]
-        waiting = held_back(plain)
-        for tier in TIERS_BY_PRIORITY:
-            if tier in waiting:
-                self._held_since.setdefault(tier, now)
-            else:
-                self._held_since.pop(tier, None)
-        starvation = self.policy.starvation_s
-        views = [
-            TierView(
-                v.tier,
-                v.outstanding,
-                v.backlog,
-                starved=now - self._held_since.get(v.tier, now) > starvation,
-            )
-            for v in plain
-        ]
-        for tier, n in plan_pulls(free, views, top_tier_room=top_tier_room).items():
+        for tier, n in self._core.pulls(self.engine.stats(), plain, now).items():
             await self._pullers[tier].request(n)
 
     def _next_wake_s(self) -> float:
-        wake = self.settings.pull_expires_s
-        if self._held_since:
-            wake = min(wake, self.policy.starvation_s / 2)
-        if self._staged:
-            now_ms = time.time() * 1000
-            soonest = min(c.envelope.deadline_ms for c in self._staged.values())
-            wake = min(wake, max((soonest - now_ms) / 1000, 0.0) + 0.001)
-        return wake
+        return self._core.next_wake_s(time.time() * 1000, self.settings.pull_expires_s)
 
     def _on_message(self, tier: Tier, msg: Msg) -> None:
         if self._stopping.is_set():
@@ -365,7 +272,7 @@ class Worker:
             assert inbox is not None
             relay = ReplyRelay(self.nc, inbox, attempt, self.settings.worker_id)
         call_id = envelope.call_id
-        if call_id in self._running or call_id in self._staged or call_id in self._preparing:
+        if self._core.holds(call_id) or call_id in self._preparing:
             await msg.nak()  # a second delivery while the first is still here
             return
         spans = CallTrace.arrived(msg, envelope, attempt, self.settings.worker_id)
@@ -413,15 +320,19 @@ class Worker:
             else:
                 await msg.nak()
             return
-        load = call_load(
-            prepared.prompt_tokens, prepared.max_tokens, 0, self.engine.stats().block_size
+        staged = self._core.stage(
+            call_id,
+            tier,
+            prompt_tokens=prepared.prompt_tokens,
+            max_tokens=prepared.max_tokens,
+            block_size=self.engine.stats().block_size,
+            session_started_ms=session_ms,
+            deadline_ms=envelope.deadline_ms,
+            now_s=time.monotonic(),
         )
-        cost = load.held + load.remaining
-        self._est_call_tokens += _COST_EWMA * (cost - self._est_call_tokens)
-        staged = StagedCall(call_id, tier, cost, time.monotonic(), load.remaining, session_ms)
         progress = asyncio.create_task(self._keep_in_progress(msg))
-        spans.staged(cost, (time.perf_counter() - preparing_since) * 1000)
-        self._staged[call_id] = _Call(msg, envelope, prepared, staged, relay, progress, spans)
+        spans.staged(staged.cost, (time.perf_counter() - preparing_since) * 1000)
+        self._calls[call_id] = _Call(msg, envelope, prepared, relay, progress, spans)
         self._changed.set()
 
     async def _deadline_passed(self, msg: Msg, relay: Relay, spans: CallTrace) -> None:
@@ -433,15 +344,15 @@ class Worker:
         await msg.term()
 
     def _drop_expired_staged(self) -> None:
-        now_ms = time.time() * 1000
-        for call in [c for c in self._staged.values() if c.envelope.deadline_ms <= now_ms]:
-            del self._staged[call.call_id]
+        for call_id in self._core.expire(time.time() * 1000):
+            call = self._calls.pop(call_id)
             call.progress.cancel()
             self._spawn(self.engine.discard(call.prepared))
             self._spawn(self._deadline_passed(call.msg, call.relay, call.trace))
 
     def _finished(self, call: _Call, _: object = None) -> None:
-        self._running.pop(call.call_id, None)
+        self._core.finish(call.call_id)
+        self._calls.pop(call.call_id, None)
         call.progress.cancel()
         self._changed.set()
 
@@ -463,7 +374,7 @@ class Worker:
             # is aborted then, not when the iterator is garbage-collected.
             async with contextlib.aclosing(self.engine.generate(call.prepared)) as outputs:
                 async for output in outputs:
-                    call.generated += output.new_tokens
+                    self._core.generated(call.call_id, output.new_tokens)
                     if first_token and (output.sse or output.body is not None):
                         spans.first_token()
                         first_token = False
@@ -553,8 +464,8 @@ class Worker:
     async def _on_cancel(self, msg: Msg) -> None:
         call_id = msg.subject.removeprefix(CANCEL_SUBJECT_PREFIX)
         self._remember_cancel(call_id)
-        staged = self._staged.pop(call_id, None)
-        if staged is not None:
+        if self._core.unstage(call_id):
+            staged = self._calls.pop(call_id)
             staged.progress.cancel()
             self._spawn(self.engine.discard(staged.prepared))
             staged.trace.refused("cancelled")
@@ -563,7 +474,7 @@ class Worker:
             await staged.msg.term()
             self._changed.set()
             return
-        running = self._running.get(call_id)
+        running = self._calls.get(call_id) if self._core.is_running(call_id) else None
         if running is not None and running.stop_reason is None and running.task is not None:
             running.stop_reason = _StopReason.CANCELLED
             running.task.cancel()  # closing the engine's iterator aborts the request
@@ -576,20 +487,22 @@ class Worker:
         if self._arrivals:
             await asyncio.wait(list(self._arrivals))
         await self._put_heartbeat(draining=True)
-        for call in list(self._staged.values()):
+        for call in [self._calls[call_id] for call_id in self._core.staged_ids()]:
             call.progress.cancel()
             await self.engine.discard(call.prepared)
             call.trace.refused("handed_back")
             self.counters.handed_back += 1
             await call.msg.nak()  # never started: hand back at once
-        self._staged.clear()
-        tasks = [c.task for c in self._running.values() if c.task is not None]
+        for call_id in self._core.unstage_all():
+            del self._calls[call_id]
+        running = [self._calls[call_id] for call_id in self._core.running_ids()]
+        tasks = [c.task for c in running if c.task is not None]
         if not tasks:
             return
         grace = self.settings.drain_grace_s
         log.info("draining %d running calls (grace %.0fs)", len(tasks), grace)
         _, pending = await asyncio.wait(tasks, timeout=grace)
-        for call in list(self._running.values()):
+        for call in [self._calls[call_id] for call_id in self._core.running_ids()]:
             if call.task in pending:
                 call.stop_reason = call.stop_reason or _StopReason.DRAIN
                 call.task.cancel()
@@ -599,7 +512,7 @@ class Worker:
     # -- heartbeat -----------------------------------------------------------------------
 
     def heartbeat(self, *, draining: bool = False) -> WorkerHeartbeat:
-        stats = self._engine_stats()
+        stats = self._core.reading(self.engine.stats())
         return WorkerHeartbeat(
             worker_id=self.settings.worker_id,
             model=self.engine.model_name,
@@ -611,7 +524,7 @@ class Worker:
             kv_capacity_tokens=stats.kv_capacity_tokens,
             draining=draining,
             max_model_len=self.engine.max_model_len,
-            staged=len(self._staged),
+            staged=self._core.staged_count,
             committed_tokens=self._committed_tokens(),
             num_preemptions=stats.num_preemptions,
             generated_tokens=stats.generated_tokens,
