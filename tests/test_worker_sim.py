@@ -32,7 +32,7 @@ from schemas.wire import (
 )
 from tests.calls import make_call
 from tests.polling import poll_until
-from workers.engine import EngineStats
+from workers.engine import EngineStats, PreparedRequest
 from workers.settings import HeadroomSettings, WorkerSettings
 from workers.sim_engine import FAIL_MARKER, SimEngine, SimEngineConfig
 from workers.worker import Worker
@@ -103,7 +103,11 @@ class Harness:
         self.workers: list[tuple[Worker, asyncio.Task[None]]] = []
 
     async def start_worker(
-        self, config: SimEngineConfig | None = None, **options: object
+        self,
+        config: SimEngineConfig | None = None,
+        *,
+        engine: SimEngine | None = None,
+        **options: object,
     ) -> Worker:
         settings: dict[str, object] = {
             "heartbeat_interval_s": 0.2,
@@ -114,7 +118,7 @@ class Harness:
             **options,
         }
         worker = Worker(
-            SimEngine(config),
+            engine or SimEngine(config),
             WorkerSettings(
                 nats_url=self.url,
                 worker_id=f"sim-{len(self.workers)}",
@@ -298,6 +302,54 @@ async def test_drain_finishes_running_calls_and_hands_back_the_rest(harness: Har
     await harness.start_worker()
     await asyncio.wait_for(second.ended.wait(), EVENT_BOUND_S)
     assert isinstance(second.terminal, Done)
+
+
+class _FirstDiscardWaits(SimEngine):
+    """Holds the first ``discard`` until ``release`` is set, so that a test can land something
+    in the middle of the worker's drain."""
+
+    def __init__(self, config: SimEngineConfig) -> None:
+        super().__init__(config)
+        self.discarding = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def discard(self, prepared: PreparedRequest) -> None:
+        if not self.discarding.is_set():
+            self.discarding.set()
+            await self.release.wait()
+
+
+async def test_a_cancel_that_lands_while_the_drain_hands_a_call_back_ends_it_once(
+    harness: Harness,
+) -> None:
+    # As in the test below: two calls of 416 tokens fit under the mark, the third waits staged.
+    config = SimEngineConfig(max_num_seqs=16, kv_capacity_tokens=1024, block_size=16, step_s=0.002)
+    engine = _FirstDiscardWaits(config)
+    headroom = HeadroomSettings(kv_high_water=0.9, guaranteed_reserve=0.25)
+    worker = await harness.start_worker(engine=engine, headroom=headroom)
+    sent = {
+        name: await harness.send(call(name, tier=Tier.BESTEFFORT, max_tokens=400))
+        for name in ("run0", "run1", "queued")
+    }
+    running = [sent["run0"], sent["run1"]]
+
+    async def staged() -> int:
+        return worker.heartbeat().staged
+
+    await poll_until(staged, lambda n: n == 1, timeout_s=EVENT_BOUND_S)
+    worker.request_stop()
+    await asyncio.wait_for(engine.discarding.wait(), EVENT_BOUND_S)  # handing "queued" back
+    await harness.nc.publish("kvgate.cancel.queued", b"")
+
+    async def cancel_seen() -> bool:  # the worker remembers every cancel it received
+        return "queued" in worker._cancelled
+
+    await poll_until(cancel_seen, bool, timeout_s=EVENT_BOUND_S)
+    engine.release.set()
+    await asyncio.wait_for(harness.workers[0][1], EVENT_BOUND_S)  # and the drain ends cleanly
+    # Handed back or cancelled, not both: one outcome per call.
+    assert worker.counters.handed_back + worker.counters.cancelled == 1
+    assert all(isinstance(inbox.terminal, Done) for inbox in running)
 
 
 async def test_drain_hands_back_a_running_call_that_outlives_the_grace(harness: Harness) -> None:

@@ -129,12 +129,6 @@ class WorkerCore:
         """Drop a staged call (cancelled); False if it is not staged (running, or gone)."""
         return self._staged.pop(call_id, None) is not None
 
-    def unstage_all(self) -> list[str]:
-        """Drop every staged call (the drain hands them back); their ids, in staged order."""
-        ids = list(self._staged)
-        self._staged.clear()
-        return ids
-
     def expire(self, now_ms: float) -> list[str]:
         """Drop the staged calls whose deadline has come; their ids, in staged order."""
         expired = [k for k, held in self._staged.items() if held.deadline_ms <= now_ms]

@@ -487,14 +487,19 @@ class Worker:
         if self._arrivals:
             await asyncio.wait(list(self._arrivals))
         await self._put_heartbeat(draining=True)
-        for call in [self._calls[call_id] for call_id in self._core.staged_ids()]:
+        for call_id in self._core.staged_ids():
+            # Each call leaves the core before the first await of its hand-back: a cancel that
+            # lands meanwhile finds it gone, and one for a call still staged ends that call,
+            # which is then skipped here. Otherwise a call would end twice, and NATS refuses the
+            # second ending of a message (the drain failed on it).
+            if not self._core.unstage(call_id):
+                continue  # cancelled meanwhile: that cancel ended it
+            call = self._calls.pop(call_id)
             call.progress.cancel()
             await self.engine.discard(call.prepared)
             call.trace.refused("handed_back")
             self.counters.handed_back += 1
             await call.msg.nak()  # never started: hand back at once
-        for call_id in self._core.unstage_all():
-            del self._calls[call_id]
         running = [self._calls[call_id] for call_id in self._core.running_ids()]
         tasks = [c.task for c in running if c.task is not None]
         if not tasks:
