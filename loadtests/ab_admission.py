@@ -45,7 +45,7 @@ from broker.procs import Proc, free_port, wait_http
 from kvgate.cli import COMMAND
 from loadtests import stats
 from loadtests.bench_admission import SESSION
-from loadtests.heartbeats import idle_heartbeat, put_heartbeat
+from loadtests.heartbeats import keep_beating
 from schemas.wire import WORKERS_BUCKET
 
 
@@ -146,12 +146,9 @@ async def front_doors(
         nc = await nats.connect(server.url)
         kv = await nc.jetstream().key_value(WORKERS_BUCKET)
 
-        async def beat() -> None:
-            while True:
-                await put_heartbeat(kv, idle_heartbeat("ab", 10**9, max_num_seqs=256))
-                await asyncio.sleep(0.5)
-
-        beat_task = asyncio.create_task(beat())
+        beat_task = asyncio.create_task(
+            keep_beating(kv, "ab", 10**9, max_num_seqs=256, interval_s=0.5)
+        )
         for proc, base in doors.values():
             await asyncio.to_thread(wait_http, base + "/readyz", proc, timeout=30)
         yield doors

@@ -138,7 +138,7 @@ async def front_door(root: Path, redis_url: str, prefix: str) -> AsyncIterator[t
 
     from broker.natsserver import EmbeddedNats
     from broker.procs import Proc, free_port, wait_http
-    from loadtests.heartbeats import idle_heartbeat, put_heartbeat
+    from loadtests.heartbeats import keep_beating
     from schemas.wire import WORKERS_BUCKET
 
     server = EmbeddedNats(root / "nats", log_file=root / "nats.log").start()
@@ -162,12 +162,9 @@ async def front_door(root: Path, redis_url: str, prefix: str) -> AsyncIterator[t
         await asyncio.to_thread(wait_http, base + "/healthz", api, timeout=60)
         kv = await nc.jetstream().key_value(WORKERS_BUCKET)
 
-        async def beat() -> None:
-            while True:
-                await put_heartbeat(kv, idle_heartbeat("bench", 10**9, max_num_seqs=256))
-                await asyncio.sleep(0.5)
-
-        beat_task = asyncio.create_task(beat())
+        beat_task = asyncio.create_task(
+            keep_beating(kv, "bench", 10**9, max_num_seqs=256, interval_s=0.5)
+        )
         await asyncio.to_thread(wait_http, base + "/readyz", api, timeout=30)
         yield base, ledger
     finally:

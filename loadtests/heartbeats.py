@@ -3,6 +3,7 @@ without an engine (admission decides from heartbeats alone), or a worker that ne
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import nats
@@ -36,3 +37,13 @@ async def stuck_worker_heartbeat(nats_url: str) -> None:
         await put_heartbeat(kv, idle_heartbeat("stuck", capacity=2048))
     finally:
         await nc.close()
+
+
+async def keep_beating(
+    kv: KeyValue, worker_id: str, capacity: int, *, max_num_seqs: int, interval_s: float
+) -> None:
+    """An idle worker's heartbeat every ``interval_s``, until cancelled (paced, as a worker's
+    loop is)."""
+    while True:
+        await put_heartbeat(kv, idle_heartbeat(worker_id, capacity, max_num_seqs=max_num_seqs))
+        await asyncio.sleep(interval_s)

@@ -20,7 +20,7 @@ import pytest
 from broker.admission.redis_store import RedisAdmissionState
 from broker.natsserver import EmbeddedNats
 from broker.procs import Proc
-from loadtests.heartbeats import idle_heartbeat, put_heartbeat
+from loadtests.heartbeats import keep_beating
 from schemas.wire import WORKERS_BUCKET
 from tests.polling import poll_until, wait_ready
 from tests.procs import start_api
@@ -49,12 +49,9 @@ async def heartbeats(nats_url: str, capacity: int) -> AsyncIterator[None]:
     nc = await nats.connect(nats_url)
     kv = await nc.jetstream().key_value(WORKERS_BUCKET)
 
-    async def beat() -> None:
-        while True:
-            await put_heartbeat(kv, idle_heartbeat("w-capacity", capacity, max_num_seqs=64))
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)  # pacing, as a worker's loop is paced
-
-    task = asyncio.create_task(beat())
+    task = asyncio.create_task(
+        keep_beating(kv, "w-capacity", capacity, max_num_seqs=64, interval_s=HEARTBEAT_INTERVAL_S)
+    )
     try:
         yield
     finally:
