@@ -54,21 +54,28 @@ class CallLine:
     nc: NATS
     stream_idle_timeout_s: float
     metrics: FrontDoorMetrics
-    judge: Callable[[Tier, bool], None]
+    judge: Callable[[Tier, bool, str, int], None]
+    """Admission's judge: the call's tier, whether it met its objective, its session and the
+    calls that session declared (``broker.admission.objectives`` weighs calls by session)."""
 
 
 async def follow_call(
-    line: CallLine, call: CallEnvelope, objective: Objective | None = None
+    line: CallLine,
+    call: CallEnvelope,
+    objective: Objective | None = None,
+    *,
+    session_calls: int = 1,
 ) -> AsyncGenerator[list[ReplyEvent] | Restarted, None]:
     """Publish ``call`` and yield its reply events in arrival batches until the terminal one.
-    A call with an ``objective`` is judged against it when it ends, for admission.
+    A call with an ``objective`` is judged against it when it ends, for admission, as one of
+    the ``session_calls`` its session declared.
 
     Raises ``KvgateError`` (from publishing, or a timeout); a worker's ``Failed`` event is
     yielded like any other, since what it means depends on what the client already has.
     """
     stream = line.replies.open(call.call_id)
     finished = False
-    observed = _CallObservation(line, call, objective)
+    observed = _CallObservation(line, call, objective, session_calls)
     # Spans are started and ended by hand, not made current: this generator yields, and a
     # context made current here would leak into (or be reset from) the consumer's context.
     parent = otel_context.get_current()
@@ -160,10 +167,18 @@ class _CallObservation:
     waited for one of its own session's slots waited on its session, not on the fleet, and
     admission must not shrink the fleet's window for it."""
 
-    def __init__(self, line: CallLine, call: CallEnvelope, objective: Objective | None) -> None:
+    def __init__(
+        self,
+        line: CallLine,
+        call: CallEnvelope,
+        objective: Objective | None,
+        session_calls: int,
+    ) -> None:
         self._metrics = line.metrics
         self._judge_call = line.judge
         self._objective = objective
+        self._session_id = call.session_id
+        self._session_calls = session_calls
         self._call_tier = call.tier
         self._tier = call.tier.value
         self._created_s = call.created_ms / 1000
@@ -221,7 +236,7 @@ class _CallObservation:
         self.ended("ok")
 
     def _judge(self, met: bool) -> None:
-        self._judge_call(self._call_tier, met)
+        self._judge_call(self._call_tier, met, self._session_id, self._session_calls)
         self._metrics.objective_met.labels(self._tier, "yes" if met else "no").inc()
 
     def ended(self, outcome: str) -> None:

@@ -109,6 +109,42 @@ def test_a_miss_rate_above_the_target_cuts_the_tier_and_every_tier_below_it() ->
     assert w.windows == {G: 1.0, S: 1.0, B: 1.0}  # never below the floor
 
 
+def test_a_tier_is_judged_by_its_sessions_not_by_its_calls() -> None:
+    w = ObjectiveWindows(WindowBounds(floor=1.0, ceiling=4.0, target=0.9, start=4.0))
+    # Ten sessions of ten calls; two of them have one late call each: 98% of calls met, 80%
+    # of sessions finished good.
+    for n in range(10):
+        for c in range(10):
+            met = not (n in (3, 7) and c == 5)
+            w.judge(S, met, 1.0, session=f"s{n}", session_calls=10)
+    assert w.attainment(S, 1.0) == pytest.approx((0.8, 100))
+    w.step(2.0)
+    assert w.windows[S] == pytest.approx(2.8)
+    # The same verdicts as plain calls (sessions of one) meet a 90% target.
+    plain = ObjectiveWindows(WindowBounds(floor=1.0, ceiling=4.0, target=0.9, start=4.0))
+    judge(plain, S, met=98, missed=2, at_s=1.0)
+    plain.step(2.0)
+    assert plain.windows[S] == 4.0
+
+
+def test_a_missed_session_counts_once_whole_and_its_later_calls_add_nothing() -> None:
+    w = ObjectiveWindows(WindowBounds(floor=1.0, ceiling=4.0, target=0.5, start=4.0))
+    for _ in range(4):  # half of a session of eight met, then it misses twice
+        w.judge(B, True, 1.0, session="late", session_calls=8)
+    w.judge(B, False, 1.0, session="late", session_calls=8)
+    w.judge(B, False, 1.0, session="late", session_calls=8)
+    for _ in range(8):
+        w.judge(B, True, 1.0, session="fine", session_calls=8)
+    for _ in range(6):
+        w.judge(B, True, 1.0, session="late", session_calls=8)
+    # Two sessions judged, one missed: 50%, however many of the missed one's calls came after.
+    assert w.attainment(B, 1.0) == pytest.approx((0.5, 20))
+    w.step(1.5)
+    assert w.windows[B] == 4.0  # on the 50% target
+    w.judge(B, False, 2.0, session="fine", session_calls=8)  # a ninth call, late
+    assert w.attainment(B, 2.0) == pytest.approx((0.0, 21))
+
+
 def test_too_few_calls_are_no_evidence_and_old_calls_leave_the_window() -> None:
     w = ObjectiveWindows(WindowBounds(floor=1.0, ceiling=4.0, target=0.9, start=2.0))
     judge(w, B, met=0, missed=19, at_s=0.0)  # min_calls is 20

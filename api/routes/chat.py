@@ -170,7 +170,7 @@ async def _admitted_call(
     ends with its call."""
     try:
         async with door.leases.call_slot(record, call.call_id, call.deadline_ms):
-            events = follow_call(door.calls, call, objective)
+            events = follow_call(door.calls, call, objective, session_calls=record.expected_calls)
             async with contextlib.aclosing(events):
                 async for item in events:
                     yield item

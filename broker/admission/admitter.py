@@ -207,9 +207,10 @@ class Admitter:
             self.metrics.window.labels(tier.value).set(window)
         self.metrics.overcommit.set(self.windows.group_factors()[0])
 
-    def judge_call(self, tier: Tier, met: bool) -> None:
-        """An ended call of an admitted session, judged against its objectives."""
-        self.windows.judge(tier, met, time.time())
+    def judge_call(self, tier: Tier, met: bool, session_id: str, session_calls: int) -> None:
+        """An ended call of an admitted session, judged against its objectives; the session
+        declared ``session_calls`` calls."""
+        self.windows.judge(tier, met, time.time(), session=session_id, session_calls=session_calls)
 
     def _unseen_tokens(self, snapshot: FleetSnapshot, now_ms: int) -> int:
         """Tokens reserved by this replica's admissions that the newest worker reading in
