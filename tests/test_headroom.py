@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from schemas.vocab import Tier
 from workers.engine import EngineStats
 from workers.headroom import (
@@ -16,6 +18,7 @@ from workers.headroom import (
     engine_priority,
     fetchable_calls,
     headroom,
+    high_water_after_preemption,
     predicted_peak,
     select_starts,
     start_order,
@@ -219,3 +222,14 @@ def test_engine_priority_orders_by_tier_then_by_session_age() -> None:
         engine_priority(B, 0),
     ]
     assert ordered == sorted(ordered) and len(set(ordered)) == 4
+
+
+def test_the_mark_after_a_preemption_falls_to_the_fallback_and_climbs_back_linearly() -> None:
+    policy = HeadroomPolicy(high_water=1.2, fallback_high_water=0.8, overcommit_recover_s=20)
+    assert high_water_after_preemption(policy, None) == 1.2  # never preempted
+    assert high_water_after_preemption(policy, 0.0) == pytest.approx(0.8)
+    assert high_water_after_preemption(policy, 5.0) == pytest.approx(0.9)
+    assert high_water_after_preemption(policy, 20.0) == pytest.approx(1.2)
+    assert high_water_after_preemption(policy, 99.0) == pytest.approx(1.2)
+    safe = HeadroomPolicy(high_water=0.7, fallback_high_water=0.8)
+    assert high_water_after_preemption(safe, 0.0) == 0.7  # a mark under the fallback stays

@@ -25,6 +25,7 @@ def stats(
     waiting: int = 0,
     block_size: int = 32,
     capacity: int = 2048,
+    preemptions: int = 0,
 ) -> EngineStats:
     return EngineStats(
         kv_cache_usage=usage,
@@ -33,6 +34,7 @@ def stats(
         kv_capacity_tokens=capacity,
         max_num_seqs=16,
         block_size=block_size,
+        num_preemptions=preemptions,
     )
 
 
@@ -94,6 +96,29 @@ def test_the_engines_own_reading_bounds_the_start_when_it_is_higher() -> None:
     # the cache (1229 tokens) is in use: room 614, short of the 640 the call adds.
     assert core.start(stats(usage=0.6, running=2), now_s=1) == []
     assert core.start(stats(usage=0.3, running=2), now_s=2) != []
+
+
+def test_an_over_committing_mark_falls_back_when_the_engine_preempts_and_climbs_back() -> None:
+    policy = HeadroomPolicy(
+        high_water=1.3, fallback_high_water=0.9, overcommit_recover_s=10, guaranteed_reserve=0
+    )
+    core = WorkerCore(policy)
+
+    def started(preemptions: int, now_s: float) -> int:
+        # Calls of 320 tokens that may add 320: k of them peak at 640k tokens.
+        for n in range(5):
+            stage(core, f"{now_s}-{n}", now_s=now_s)
+        starts = core.start(stats(preemptions=preemptions), now_s=now_s)
+        for call_id in core.running_ids() + core.staged_ids():
+            core.finish(call_id)
+            core.unstage(call_id)
+        return len(starts)
+
+    assert started(preemptions=3, now_s=0.0) == 4  # 2560 <= 1.3 x 2048, past the cache
+    assert started(preemptions=3, now_s=1.0) == 4  # no new preemption
+    assert started(preemptions=4, now_s=2.0) == 2  # one: 0.9 x 2048 = 1843
+    assert started(preemptions=4, now_s=7.0) == 3  # half way back: 1.1 x 2048 = 2252
+    assert started(preemptions=4, now_s=12.0) == 4
 
 
 def test_a_running_calls_generated_tokens_move_its_load() -> None:

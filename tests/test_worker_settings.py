@@ -66,7 +66,7 @@ def test_a_bad_value_is_refused_by_name() -> None:
 
 
 def test_the_command_exits_2_with_the_setting_named(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["worker", "--kv-high-water", "1.5"]) == 2
+    assert main(["worker", "--kv-high-water", "2.5"]) == 2
     assert "kv_high_water" in capsys.readouterr().err
 
 

@@ -28,6 +28,7 @@ from workers.headroom import (
     call_load,
     fetchable_calls,
     headroom,
+    high_water_after_preemption,
     predicted_peak,
     select_starts,
 )
@@ -76,6 +77,8 @@ class WorkerCore:
         self._est_call_tokens = float(policy.default_call_tokens)
         self._held_since: dict[Tier, float] = {}
         """Since when (``now_s``) each tier has been held back without a doorbell."""
+        self._preemptions: int | None = None
+        self._preempted_at_s: float | None = None
 
     # -- what it holds ---------------------------------------------------------------------
 
@@ -164,13 +167,25 @@ class WorkerCore:
     def _loads(self, block_size: int) -> list[Load]:
         return [held.load(block_size) for held in self._running.values()]
 
-    def room(self, stats: EngineStats) -> Headroom:
+    def high_water(self, stats: EngineStats, now_s: float) -> float:
+        """The share of the cache lower tiers may commit now: the policy's mark, or less for a
+        while after the engine preempted (``workers.headroom.high_water_after_preemption``).
+        Reads the engine's preemption count, so the shell need not report preemptions."""
+        count = stats.num_preemptions
+        if self._preemptions is not None and count > self._preemptions:
+            self._preempted_at_s = now_s
+        self._preemptions = count
+        since = None if self._preempted_at_s is None else now_s - self._preempted_at_s
+        return high_water_after_preemption(self.policy, since)
+
+    def room(self, stats: EngineStats, now_s: float) -> Headroom:
         """What the engine has left beside the running calls (``stats`` as the engine read)."""
         return headroom(
             self.reading(stats),
             committed_tokens=self.committed_tokens(stats.block_size),
             committed_seqs=len(self._running),
             policy=self.policy,
+            high_water=self.high_water(stats, now_s),
         )
 
     # -- decisions -------------------------------------------------------------------------
@@ -180,7 +195,7 @@ class WorkerCore:
         in the order the shell must hand them to the engine."""
         if not self._staged:
             return []
-        room = self.room(stats)
+        room = self.room(stats, now_s)
         chosen = select_starts(
             [held.staged for held in self._staged.values()],
             room,
@@ -199,7 +214,7 @@ class WorkerCore:
         """New pull credit per tier (``workers.pullplan.plan_pulls``) for the room left beside
         the running and staged calls. ``tiers``: every tier's credit and backlog, highest
         first, ``starved`` unset: the core marks the tiers held back past the bound."""
-        room = self.room(stats)
+        room = self.room(stats, now_s)
         staged = [held.staged for held in self._staged.values()]
         top = TIERS_BY_PRIORITY[0]
         top_staged = [c for c in staged if c.tier is top]

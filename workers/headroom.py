@@ -26,6 +26,14 @@ reserve add up past the cache, the peak may exceed it; vLLM, which schedules by 
 priority, then preempts the lowest-priority running call, never a guaranteed one for a lower
 tier: its preemption is the safety valve, for the top tier only. The reserve thus costs the
 lower tiers nothing while no guaranteed call needs it.
+
+Over-commit (an operator's choice, off by default): a ``high_water`` above 1 lets the lower
+tiers' predicted peak pass the cache too. The peak assumes every call runs to its whole
+``max_tokens``, which agents' calls rarely do, so the engine may never reach it; where it does,
+vLLM preempts the lowest-priority call (the newest session's, lowest tier first). Each
+preemption the engine reports drops the mark to ``fallback_high_water`` (the worst-case-safe
+mark), from which it climbs back over ``overcommit_recover_s``: a workload whose calls do use
+their budgets soon runs at the safe mark (``high_water_after_preemption``).
 """
 
 from __future__ import annotations
@@ -56,6 +64,22 @@ class HeadroomPolicy:
     calls may use, so a guaranteed call arriving at a worker busy with lower tiers starts at
     once instead of waiting for a running call to finish (module doc: past the cache, vLLM
     preempts a lower tier's call for it)."""
+    fallback_high_water: float = 0.95
+    """Where the mark falls when the engine preempts, if ``high_water`` is above it (module
+    doc: over-commit); it climbs back over ``overcommit_recover_s`` without preemptions."""
+    overcommit_recover_s: float = 30.0
+
+
+def high_water_after_preemption(policy: HeadroomPolicy, since_preemption_s: float | None) -> float:
+    """The mark in force ``since_preemption_s`` after the engine last preempted (``None``:
+    never): ``fallback_high_water`` at once, back to ``high_water`` linearly over
+    ``overcommit_recover_s`` (as SGLang's new-token ratio falls back after a retraction and
+    decays again). A mark at or under the fallback is never raised."""
+    top, low = policy.high_water, policy.fallback_high_water
+    if since_preemption_s is None or top <= low:
+        return top
+    recovered = min(1.0, max(0.0, since_preemption_s) / max(policy.overcommit_recover_s, 1e-9))
+    return low + (top - low) * recovered
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +145,11 @@ def headroom(
     committed_tokens: int,
     committed_seqs: int,
     policy: HeadroomPolicy,
+    high_water: float | None = None,
 ) -> Headroom:
+    """The room beside ``committed_tokens``; ``high_water`` overrides the policy's mark (the
+    mark in force after a preemption, ``high_water_after_preemption``)."""
+    mark = policy.high_water if high_water is None else high_water
     seqs = stats.max_num_seqs + policy.max_waiting - committed_seqs
     capacity = stats.kv_capacity_tokens
     reserved_seqs = 1 if policy.guaranteed_reserve > 0 else 0
@@ -132,7 +160,7 @@ def headroom(
     used = max(committed_tokens, observed)
     reserved = int(policy.guaranteed_reserve * capacity)
     return Headroom(
-        tokens=int(policy.high_water * capacity) + reserved - used,
+        tokens=int(mark * capacity) + reserved - used,
         seqs=seqs,
         reserved_tokens=reserved,
         reserved_seqs=reserved_seqs,

@@ -86,8 +86,11 @@ class HeadroomSettings(BaseSettings):
     kv_high_water: float = Field(
         default=_POLICY.high_water,
         gt=0,
-        le=1,
-        description="share of the KV cache that calls below the guaranteed tier may commit",
+        le=2,
+        description=(
+            "share of the KV cache that calls below the guaranteed tier may commit by their"
+            " predicted peak; above 1 the engine's preemption is the safety valve"
+        ),
     )
     kv_low_water: float = Field(
         default=_POLICY.low_water,
@@ -112,9 +115,26 @@ class HeadroomSettings(BaseSettings):
         description="share of the KV cache above the high-water mark only guaranteed calls use",
     )
 
+    kv_fallback_high_water: float = Field(
+        default=_POLICY.fallback_high_water,
+        gt=0,
+        le=1,
+        description=(
+            "where the high-water mark falls when the engine preempts (if the mark is above"
+            " it); it climbs back over overcommit_recover_s"
+        ),
+    )
+    overcommit_recover_s: float = Field(
+        default=_POLICY.overcommit_recover_s,
+        gt=0,
+        description="seconds without a preemption for the mark to climb back to kv_high_water",
+    )
+
     def policy(self) -> HeadroomPolicy:
         return HeadroomPolicy(
             high_water=self.kv_high_water,
+            fallback_high_water=self.kv_fallback_high_water,
+            overcommit_recover_s=self.overcommit_recover_s,
             low_water=self.kv_low_water,
             max_waiting=self.max_waiting,
             starvation_s=self.starvation_s,
