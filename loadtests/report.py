@@ -101,10 +101,17 @@ def _markdown(
             if probes
             else " (capacity given, not searched)."
         ),
-        f"- **Objectives** are relative to the unloaded latency measured in this run on direct "
-        f"vLLM (median of {unloaded.get('calls', '?')} sequential calls of "
-        f"{unloaded.get('prompt_tokens', '?')} prompt / {unloaded.get('output_tokens', '?')} "
-        f"output tokens): TTFT {manifest['objective_rule']['ttft']}, TPOT "
+        (
+            f"- **Objectives** are relative to the unloaded latency measured in this run on direct "
+            f"vLLM (median of {unloaded.get('calls', '?')} sequential calls of "
+            f"{unloaded.get('prompt_tokens', '?')} prompt / {unloaded.get('output_tokens', '?')} "
+            "output tokens)"
+            if not (given := manifest["objective_rule"].get("unloaded_given_ms"))
+            else "- **Objectives** and deadlines are relative to an unloaded direct latency given "
+            f"on the command line (`--unloaded`: TTFT {given[0]:g} ms, TPOT {given[1]:g} ms), "
+            "not this run's probe"
+        )
+        + f": TTFT {manifest['objective_rule']['ttft']}, TPOT "
         f"{manifest['objective_rule']['tpot']}; "
         + ", ".join(
             f"{tier} {o['ttft_s'] * 1000:.1f} ms / {o['tpot_s'] * 1000:.2f} ms"

@@ -92,6 +92,10 @@ class Profile:
     capacity_max_probes: int = 7
     ttft_factor: float = 30.0
     tpot_factor: float = 10.0
+    unloaded_ms: tuple[float, float] | None = None
+    """Direct vLLM's unloaded TTFT and TPOT p50 (ms), given instead of taken from this run's
+    probe: the objectives and the sessions' deadlines derive from them, so runs compared side
+    by side (with ``capacity`` given too) judge the same traces by the same numbers."""
     probe_calls: int = 20
     heartbeat_s: float = 0.5
     seed: int = 7
@@ -246,12 +250,12 @@ class Sweep:
     def _set_objectives(self) -> None:
         """Write kvgate's tenants file with the tiers' objectives from the unloaded latency,
         and judge every mode by what kvgate reads from it: one place for both."""
-        base = self.unloaded[Mode.DIRECT.value]
+        ttft_s, tpot_s = self._unloaded_s()
         path = self.run_dir / TENANTS_FILE
         path.write_text(
             tenants_toml(
-                ttft_ms=round(base["ttft_s"]["p50"] * self.profile.ttft_factor * 1000, 1),
-                tpot_ms=round(base["tpot_s"]["p50"] * self.profile.tpot_factor * 1000, 2),
+                ttft_ms=round(ttft_s * self.profile.ttft_factor * 1000, 1),
+                tpot_ms=round(tpot_s * self.profile.tpot_factor * 1000, 2),
             )
         )
         self.objectives = Objectives.of(Tenancy.from_file(path))
@@ -372,13 +376,19 @@ class Sweep:
         self.points.append(point)
         return point
 
-    def _nominal_workload(self) -> WorkloadSpec:
-        """Deadlines come from the unloaded latency this run measured on direct vLLM."""
+    def _unloaded_s(self) -> tuple[float, float]:
+        """Direct vLLM's unloaded TTFT and TPOT p50, seconds: given, or this run's probe."""
+        if self.profile.unloaded_ms is not None:
+            ttft_ms, tpot_ms = self.profile.unloaded_ms
+            return ttft_ms / 1000, tpot_ms / 1000
         base = self.unloaded.get(Mode.DIRECT.value) or self.unloaded[Mode.KVGATE_CALL.value]
+        return base["ttft_s"]["p50"], base["tpot_s"]["p50"]
+
+    def _nominal_workload(self) -> WorkloadSpec:
+        """Deadlines come from direct vLLM's unloaded latency (``_unloaded_s``)."""
+        ttft_s, tpot_s = self._unloaded_s()
         return dataclasses.replace(
-            self.profile.workload,
-            nominal_ttft_s=base["ttft_s"]["p50"],
-            nominal_tpot_s=base["tpot_s"]["p50"],
+            self.profile.workload, nominal_ttft_s=ttft_s, nominal_tpot_s=tpot_s
         )
 
     async def _sample(
@@ -490,6 +500,7 @@ class Sweep:
             "objective_rule": {
                 "ttft": f"{profile.ttft_factor:g} x unloaded direct TTFT p50",
                 "tpot": f"{profile.tpot_factor:g} x unloaded direct TPOT p50",
+                "unloaded_given_ms": profile.unloaded_ms,
             },
             "capacity_sessions_per_s": self.capacity,
             "capacity_rule": (
@@ -701,7 +712,11 @@ def parameter_sources(profile: Profile) -> dict[str, dict[str, Any]]:
     out["workload"] = {
         "value": profile.workload.to_json(),
         "source": profile.sources.get("workload", "profile default")
-        + "; nominal_ttft_s/nominal_tpot_s measured in this run (unloaded direct p50)",
+        + (
+            "; nominal_ttft_s/nominal_tpot_s measured in this run (unloaded direct p50)"
+            if profile.unloaded_ms is None
+            else "; nominal_ttft_s/nominal_tpot_s given (--unloaded)"
+        ),
     }
     return out
 
@@ -723,6 +738,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--capacity-start", type=float)
     parser.add_argument("--ttft-factor", type=float)
     parser.add_argument("--tpot-factor", type=float)
+    parser.add_argument(
+        "--unloaded",
+        metavar="TTFT_MS,TPOT_MS",
+        help="direct vLLM's unloaded TTFT and TPOT p50 to derive objectives and deadlines from,"
+        " instead of this run's probe (for side-by-side runs; give --capacity too)",
+    )
     parser.add_argument("--kv-blocks", type=int, dest="engine_blocks")
     parser.add_argument("--seed", type=int)
     parser.add_argument(
@@ -747,6 +768,10 @@ def profile_from(args: argparse.Namespace) -> Profile:
         if value is not None:
             setattr(profile, name, value)
             profile.sources[name] = "command line"
+    if args.unloaded:
+        ttft_ms, tpot_ms = (float(x) for x in args.unloaded.split(","))
+        profile.unloaded_ms = (ttft_ms, tpot_ms)
+        profile.sources["unloaded_ms"] = "command line"
     if args.loads:
         profile.loads = tuple(float(x) for x in args.loads.split(","))
         profile.sources["loads"] = "command line"

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from broker.admission.tenants import Tenancy
+from loadtests.sweep import Sweep, build_parser, profile_from
 from loadtests.workload import load_jsonl
 from schemas.vocab import Tier
 
@@ -84,3 +85,22 @@ def test_a_tiny_sweep_writes_a_complete_run_folder(tmp_path: Path, dev_model: Pa
     assert "relative to the capacity measured" in report
     assert "Refused work counts" in report
     assert "![goodput.png](goodput.png)" in report
+
+
+def test_given_unloaded_latency_sets_the_objectives_and_deadlines(tmp_path: Path) -> None:
+    # Side-by-side runs share their objectives and deadlines instead of each taking its own
+    # from a probe that moves with the machine.
+    args = build_parser().parse_args(
+        ["--profile", "tiny", "--unloaded", "12.5,2", "--capacity", "3"]
+    )
+    profile = profile_from(args)
+    assert profile.unloaded_ms == (12.5, 2.0)
+    assert profile.sources["unloaded_ms"] == "command line"
+    sweep = Sweep(profile, tmp_path / "model", tmp_path)
+    sweep._set_objectives()
+    tenancy = Tenancy.from_file(tmp_path / "tenants.toml")
+    for tier in Tier:
+        assert tenancy.tiers[tier].ttft_ms == 12.5 * profile.ttft_factor
+        assert tenancy.tiers[tier].tpot_ms == 2.0 * profile.tpot_factor
+    workload = sweep._nominal_workload()
+    assert (workload.nominal_ttft_s, workload.nominal_tpot_s) == (0.0125, 0.002)
