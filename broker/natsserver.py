@@ -114,9 +114,15 @@ class EmbeddedNats:
         if proc is not None:
             proc.stop(timeout)
 
-    def wait(self) -> int:
+    @property
+    def returncode(self) -> int | None:
+        """The server's exit status once it has exited by itself; None while it runs.
+
+        There is deliberately no blocking ``wait``: a signal handler that calls ``stop()``
+        while the main thread blocks in one deadlocks on the child's wait lock. Poll this
+        instead, and call ``stop()`` from the main thread."""
         assert self._proc is not None
-        return self._proc.wait()
+        return self._proc.returncode
 
     def __enter__(self) -> EmbeddedNats:
         return self.start()

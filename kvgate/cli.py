@@ -18,7 +18,9 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from pathlib import Path
+from types import FrameType
 
 from broker.settings import DEFAULT_NATS_PORT
 from workers.settings import add_flags as add_worker_flags
@@ -30,6 +32,9 @@ load harness start kvgate's processes so)."""
 
 # Services log JSON lines (with trace ids); commands a person reads log text.
 _SERVICES = ("api", "worker", "nats")
+
+_STOP_POLL_S = 0.2
+"""How often ``kvgate nats`` looks for a stop signal or its server's exit."""
 
 
 def _configure_logging(level: str, fmt: str | None, command: str) -> None:
@@ -53,19 +58,29 @@ def cmd_model_build(args: argparse.Namespace) -> int:
 def cmd_nats(args: argparse.Namespace) -> int:
     from broker.natsserver import EmbeddedNats
 
-    server = EmbeddedNats(Path(args.store_dir), port=args.port).start()
-    print(f"NATS with JetStream on {server.url} (store {args.store_dir}); Ctrl-C stops it")
-    stop = False
+    # The handler only notes the signal; the main thread stops the server. A handler that
+    # stopped it waited on the child that the interrupted main thread was already waiting on,
+    # and hung (the server a zombie) until the sender killed the command. Installed before the
+    # start, so that no signal finds the server running under the default handler, which would
+    # leave it behind in its own process group.
+    stop: list[int] = []
 
-    def on_signal(*_: object) -> None:
-        nonlocal stop
-        stop = True
-        server.stop()
+    def on_signal(signum: int, _: FrameType | None) -> None:
+        stop.append(signum)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    code = server.wait()
-    return 0 if stop else code
+    server = EmbeddedNats(Path(args.store_dir), port=args.port).start()
+    print(f"NATS with JetStream on {server.url} (store {args.store_dir}); Ctrl-C stops it")
+    try:
+        while not stop:
+            code = server.returncode
+            if code is not None:
+                return code
+            time.sleep(_STOP_POLL_S)
+        return 0
+    finally:
+        server.stop()
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from broker.procs import Proc, free_port, wait_http
@@ -25,6 +26,16 @@ def start_api(nats_url: str, log_dir: Path, **env: str) -> tuple[Proc, str]:
     base = f"http://127.0.0.1:{port}"
     wait_http(base + "/healthz", proc, timeout=30)
     return proc, base
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs: a zombie (exited, not yet reaped) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def start_worker(nats_url: str, model: Path, log_dir: Path, name: str, **env: str) -> Proc:

@@ -12,6 +12,7 @@ import openai
 
 from broker.procs import Proc, free_port, wait_http
 from kvgate.cli import COMMAND
+from tests.procs import alive
 
 
 def descendants(pid: int) -> set[int]:
@@ -33,15 +34,6 @@ def descendants(pid: int) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_up_serves_and_ctrl_c_stops_every_process(tmp_path: Path, dev_model: Path) -> None:
