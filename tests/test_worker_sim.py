@@ -4,9 +4,11 @@ a real engine cannot be made to take on purpose, and the headroom invariant at s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -32,7 +34,7 @@ from schemas.wire import (
 )
 from tests.calls import make_call
 from tests.polling import poll_until
-from workers.engine import EngineStats, PreparedRequest
+from workers.engine import EngineOutput, EngineStats, PreparedRequest
 from workers.settings import HeadroomSettings, WorkerSettings
 from workers.sim_engine import FAIL_MARKER, SimEngine, SimEngineConfig
 from workers.worker import Worker
@@ -441,3 +443,88 @@ async def test_an_idle_worker_reports_idle_whatever_its_engines_last_reading_sai
     busy = worker.heartbeat()  # while its call runs, the engine's reading stands
     assert (busy.kv_cache_usage, busy.num_running, busy.num_waiting) == (0.4, 1, 2)
     await asyncio.wait_for(inbox.ended.wait(), EVENT_BOUND_S)
+
+
+LONG_ACK_WAIT = StreamSettings(ack_wait_s=4 * EVENT_BOUND_S, max_deliver=3)
+"""An ack wait far past every bound here: a call that comes back within a bound was handed
+back by the worker, not left to time out."""
+LONG_DEADLINE_S = LONG_ACK_WAIT.ack_wait_s
+"""Nor may the server drop the call at its deadline (its TTL) within a bound."""
+
+
+class _FaultsOnFirstAttempt(SimEngine):
+    """The first attempt of each call raises an error that is neither the engine's nor a
+    cancel, as a fault on the worker's own side does (an ack or a publish that failed or timed
+    out, a bug): after the call's first output, or after its last one (when the caller has its
+    answer and only the ack is left)."""
+
+    def __init__(self, *, after_last: bool) -> None:
+        super().__init__(SimEngineConfig(step_s=0.01))
+        self.after_last = after_last
+        self.attempted: set[str] = set()
+
+    async def generate(self, prepared: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:
+        first = prepared.request.request_id not in self.attempted
+        self.attempted.add(prepared.request.request_id)
+        async with contextlib.aclosing(super().generate(prepared)) as outputs:
+            async for output in outputs:
+                yield output
+                if first and self.after_last == (output.finish_reason is not None):
+                    raise RuntimeError("a fault outside the engine")
+
+
+async def faulted_call(harness: Harness, call_id: str, *, after_last: bool) -> Inbox:
+    """One call whose first attempt faults outside the engine, served until it ends."""
+    engine = _FaultsOnFirstAttempt(after_last=after_last)
+    await harness.start_worker(engine=engine, stream=LONG_ACK_WAIT)
+    inbox = await harness.send(call(call_id, max_tokens=5, deadline_in_s=LONG_DEADLINE_S))
+    # Within EVENT_BOUND_S, a quarter of the ack wait: ended by the worker, not timed out.
+    await asyncio.wait_for(inbox.ended.wait(), EVENT_BOUND_S)
+    return inbox
+
+
+async def assert_fault_handled(
+    harness: Harness, call_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Gone from the worker's scheduling state, counted, and logged with the call's id."""
+    worker = harness.workers[0][0]
+
+    async def held() -> tuple[int, int]:
+        heartbeat = worker.heartbeat()
+        return heartbeat.staged, heartbeat.committed_tokens
+
+    # The caller hears the end of a call a moment before the worker lets it go.
+    await poll_until(held, lambda h: h == (0, 0), timeout_s=EVENT_BOUND_S, interval_s=0.01)
+    assert worker.counters.faulted == 1
+    assert any(
+        call_id in r.getMessage()
+        for r in caplog.records
+        if r.name == "workers.worker" and r.levelno >= logging.ERROR
+    )
+
+
+async def test_a_fault_outside_the_engine_hands_the_call_back_at_once(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    inbox = await faulted_call(harness, "fault-mid", after_last=False)
+    assert isinstance(inbox.terminal, Done)
+    assert inbox.terminal.attempt == 2
+    assert not [e for e in inbox.events if isinstance(e, Failed)]
+    await assert_fault_handled(harness, "fault-mid", caplog)
+    assert harness.workers[0][0].counters.completed == 1
+
+
+async def test_a_fault_after_the_answer_ends_the_call_without_a_second_answer(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    inbox = await faulted_call(harness, "fault-end", after_last=True)
+
+    async def queued() -> int:
+        return (await harness.js.stream_info(STREAM_NAME)).state.messages
+
+    # Ended for good: not left to come back after the ack wait and be answered again.
+    await poll_until(queued, lambda n: n == 0, timeout_s=EVENT_BOUND_S)
+    await asyncio.sleep(QUIET_WINDOW_S)  # nothing may follow the terminal event
+    assert isinstance(inbox.terminal, Done)
+    assert [e.attempt for e in inbox.events if isinstance(e, Done | Failed)] == [1]
+    await assert_fault_handled(harness, "fault-end", caplog)

@@ -107,6 +107,9 @@ class WorkerCounters:
     cancelled: int = 0
     handed_back: int = 0
     failed: int = 0
+    faulted: int = 0
+    """Calls that a fault outside the engine interrupted (an ack or a publish that failed or
+    timed out, a bug): handed back, or ended for good once answered or on the last attempt."""
     max_committed_tokens: int = 0
 
 
@@ -197,7 +200,7 @@ class Worker:
             call = self._calls[start.call_id]
             call.trace.started(start.room_tokens, start.running, start.together)
             self.counters.started += 1
-            call.task = asyncio.create_task(self._generate(call))
+            call.task = asyncio.create_task(self._serve(call))
             call.task.add_done_callback(functools.partial(self._finished, call))
         if starts:
             self.counters.max_committed_tokens = max(
@@ -358,6 +361,20 @@ class Worker:
 
     # -- one call ------------------------------------------------------------------------
 
+    async def _serve(self, call: _Call) -> None:
+        try:
+            await self._generate(call)
+        except Exception as exc:
+            # Neither the engine's error nor a cancel (``_generate`` ends those calls itself),
+            # or a fault while ending one. Unhandled, it ended the task unseen and the call
+            # came back only after the ack wait.
+            await self._worker_fault(call, exc)
+        finally:
+            # A request that never started (cancelled before its first output) is still held
+            # at the engine's door: let it go. Harmless after a finished one.
+            await self.engine.discard(call.prepared)
+            call.trace.end()
+
     async def _generate(self, call: _Call) -> None:
         relay, msg, spans = call.relay, call.msg, call.trace
         queue_wait_ms: int | None = spans.queue_wait_ms()
@@ -415,11 +432,6 @@ class Worker:
         except EngineError as exc:
             spans.failed(exc)
             await self._engine_failed(call, exc)
-        finally:
-            # A request that never started (cancelled before its first output) is still held
-            # at the engine's door: let it go. Harmless after a finished one.
-            await self.engine.discard(call.prepared)
-            spans.end()
 
     async def _stopped(self, call: _Call) -> None:
         if call.stop_reason == _StopReason.CANCELLED:
@@ -443,6 +455,31 @@ class Worker:
             log.warning("engine error on attempt %d, handing back: %s", attempt, exc)
             self.counters.handed_back += 1
             await call.msg.nak(delay=self.settings.nak_delay_s)
+
+    async def _worker_fault(self, call: _Call, exc: Exception) -> None:
+        """Ends a call that a fault outside the engine interrupted: handed back with the NAK
+        delay, so that it comes back soon, or terminated where a redelivery would answer the
+        caller a second time."""
+        self.counters.faulted += 1
+        attempt = int(call.msg.metadata.num_delivered or 1)
+        log.error("call %s failed in the worker on attempt %d", call.call_id, attempt, exc_info=exc)
+        call.trace.failed(exc)
+        try:
+            if call.relay.finished:
+                # The caller has its answer (the ack that follows it failed, say).
+                await call.msg.term()
+            elif attempt < self.settings.stream.max_deliver:
+                await call.msg.nak(delay=self.settings.nak_delay_s)
+            else:
+                try:
+                    await call.relay.fail(
+                        ErrorCode.INTERNAL_ERROR, f"the worker failed on all {attempt} attempts"
+                    )
+                finally:  # the relay may be what fails: end the message all the same
+                    await call.msg.term()
+        except Exception as again:
+            # Out of this worker's hands: the server delivers it again after the ack wait.
+            log.error("call %s: could not end its message after the fault: %r", call.call_id, again)
 
     async def _keep_in_progress(self, msg: Msg) -> None:
         interval = max(self.settings.stream.ack_wait_s / 3, 0.1)
