@@ -34,7 +34,7 @@ from schemas.wire import (
 )
 from tests.calls import make_call
 from tests.polling import poll_until
-from workers.engine import EngineOutput, EngineStats, PreparedRequest
+from workers.engine import EngineOutput, EngineRequest, EngineStats, PreparedRequest
 from workers.settings import HeadroomSettings, WorkerSettings
 from workers.sim_engine import FAIL_MARKER, SimEngine, SimEngineConfig
 from workers.worker import Worker
@@ -528,3 +528,41 @@ async def test_a_fault_after_the_answer_ends_the_call_without_a_second_answer(
     assert isinstance(inbox.terminal, Done)
     assert [e.attempt for e in inbox.events if isinstance(e, Done | Failed)] == [1]
     await assert_fault_handled(harness, "fault-end", caplog)
+
+
+SHORT_ACK_WAIT = StreamSettings(ack_wait_s=1, max_deliver=50)
+"""The server delivers a call again after a second without word from its holder; enough
+deliveries allowed that a spinning worker would show."""
+HELD_FOR_S = 3 * SHORT_ACK_WAIT.ack_wait_s
+
+
+class _FirstPrepareWaits(SimEngine):
+    """Holds the first ``prepare`` until ``release`` is set: the worker holds that call,
+    refreshing nothing, past its ack wait, and the server delivers it again meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.preparing = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def prepare(self, request: EngineRequest) -> PreparedRequest:
+        if not self.preparing.is_set():
+            self.preparing.set()
+            await self.release.wait()
+        return await super().prepare(request)
+
+
+async def test_a_second_delivery_of_a_call_held_here_does_not_spin(harness: Harness) -> None:
+    engine = _FirstPrepareWaits()
+    await harness.start_worker(engine=engine, stream=SHORT_ACK_WAIT)
+    inbox = await harness.send(call("held", max_tokens=3))
+    await asyncio.wait_for(engine.preparing.wait(), EVENT_BOUND_S)
+    await asyncio.sleep(HELD_FOR_S)  # held past several ack waits: the condition under test
+    engine.release.set()
+    await asyncio.wait_for(inbox.ended.wait(), EVENT_BOUND_S)
+    assert isinstance(inbox.terminal, Done)
+    assert inbox.terminal.attempt == 1  # the copy held here answered
+    info = await harness.js.consumer_info(STREAM_NAME, consumer_name(Tier.STANDARD, MODEL))
+    # The first delivery, then about one per ack wait while it was held (two more for timing
+    # slack); handing each one back at once spent every delivery the consumer allows.
+    assert info.delivered.consumer_seq <= 1 + HELD_FOR_S / SHORT_ACK_WAIT.ack_wait_s + 2

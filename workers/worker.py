@@ -276,7 +276,11 @@ class Worker:
             relay = ReplyRelay(self.nc, inbox, attempt, self.settings.worker_id)
         call_id = envelope.call_id
         if self._core.holds(call_id) or call_id in self._preparing:
-            await msg.nak()  # a second delivery while the first is still here
+            # A second delivery while the first is still here: its ack wait lapsed (preparing a
+            # call sends no ``in_progress()``). Handed back at once, it came straight back,
+            # spending a pull credit and a delivery attempt each time until the copy here
+            # ended; handed back after an ack wait, at most one more comes per ack wait.
+            await msg.nak(delay=self.settings.stream.ack_wait_s)
             return
         spans = CallTrace.arrived(msg, envelope, attempt, self.settings.worker_id)
         if call_id in self._cancelled:
