@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import BaseRoute, Match
 
 from broker.errors import Cancelled, InternalError, InvalidRequest, KvgateError
 from schemas.openai import ErrorBody, ErrorDetail
@@ -121,6 +122,17 @@ def error_response(exc: KvgateError, request: Request | None = None) -> JSONResp
     return JSONResponse(error_body(exc).to_json(), STATUS_BY_CODE[exc.code], headers=headers)
 
 
+def allowed_methods(request: Request) -> list[str]:
+    """Every method the request's path takes. Starlette's 405 names only the first route that
+    matched the path, where FastAPI makes one route per method (``GET`` and ``DELETE`` on
+    ``/v1/sessions/{id}`` are two)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if isinstance(route, BaseRoute) and route.matches(request.scope)[0] is not Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def on_kvgate_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, KvgateError)
@@ -138,7 +150,7 @@ def install_error_handlers(app: FastAPI) -> None:
             request,
         )
 
-    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         code = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}.get(
             exc.status_code, ErrorCode.INVALID_REQUEST
@@ -147,7 +159,10 @@ def install_error_handlers(app: FastAPI) -> None:
         body = ErrorBody(
             error=ErrorDetail(message=str(exc.detail), type=error_type(status), code=code.value)
         )
-        return JSONResponse(body.to_json(), status, headers=getattr(exc, "headers", None))
+        headers = dict(exc.headers or {})
+        if status == 405:
+            headers["Allow"] = ", ".join(allowed_methods(request))
+        return JSONResponse(body.to_json(), status, headers=headers)
 
     async def on_disconnect(_: Request, exc: Exception) -> JSONResponse:
         # The caller went away before its request was read (an agent giving up on a call at
