@@ -146,6 +146,7 @@ async def test_a_missing_or_unknown_key_is_a_401(door: Door) -> None:
         (ACME, session_body(deadline_s=-5), 400, "invalid_parameter", "deadline_s"),
         (ACME, session_body(surprise=1), 400, "invalid_parameter", "surprise"),
         (ACME, session_body(max_parallel=100_000), 400, "invalid_parameter", "max_parallel"),
+        (ACME, session_body(idle_timeout_s=1e308), 400, "invalid_parameter", "idle_timeout_s"),
         (SMALL, session_body(tier="guaranteed"), 403, "tier_not_allowed", "tier"),
         (CHEAP, session_body(tier="standard"), 403, "tier_not_allowed", "tier"),
     ],

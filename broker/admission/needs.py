@@ -43,6 +43,13 @@ def for_session(
             f"deadline_s must be at most {settings.max_deadline_s:g}",
             param="deadline_s",
         )
+    if body.idle_timeout_s is not None and body.idle_timeout_s > settings.max_deadline_s:
+        # No lease outlives its deadline, so a longer idle timeout means nothing (and one
+        # near the float's limit overflowed to a 500).
+        raise InvalidParameter(
+            f"idle_timeout_s must be at most {settings.max_deadline_s:g}",
+            param="idle_timeout_s",
+        )
     output = body.est_output_tokens or settings.session_default_output_tokens
     if output > settings.max_tokens_limit:
         raise InvalidParameter(
