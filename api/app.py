@@ -17,6 +17,7 @@ from api.calls import CallLine
 from api.errors import install_error_handlers
 from api.frontdoor import FrontDoor
 from api.metrics import FrontDoorMetrics
+from api.openapi import install_openapi
 from api.replies import ReplyRouter
 from api.routes import admin, batches, chat, files, health, models, sessions
 from api.tracing import RequestSpanMiddleware
@@ -123,6 +124,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app = FastAPI(title="kvgate", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     install_error_handlers(app)
+    install_openapi(app)
     if tracing_wanted():
         app.add_middleware(RequestSpanMiddleware)
     app.include_router(chat.router)

@@ -93,15 +93,11 @@ def _checked(model: type[RequestT], raw: dict[str, Any], settings: ApiSettings) 
     except ValidationError as exc:
         raise _from_validation_error(exc) from None
     max_tokens = call.requested_max_tokens()
-    if max_tokens is not None:
-        if max_tokens < 1:
-            raise InvalidMaxTokens("max_tokens must be at least 1", param="max_tokens")
-        if max_tokens > settings.max_tokens_limit:
-            raise MaxTokensTooLarge(
-                f"max_tokens {max_tokens} exceeds this server's limit of "
-                f"{settings.max_tokens_limit}",
-                param="max_tokens",
-            )
+    if max_tokens is not None and max_tokens > settings.max_tokens_limit:
+        raise MaxTokensTooLarge(
+            f"max_tokens {max_tokens} exceeds this server's limit of {settings.max_tokens_limit}",
+            param="max_tokens",
+        )
     return call
 
 

@@ -8,7 +8,6 @@ a bare 500: an unexpected exception becomes ``internal_error`` and is logged wit
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,7 +17,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute, Match
 
 from broker.errors import Cancelled, InternalError, InvalidRequest, KvgateError
-from schemas.openai import ErrorBody, ErrorDetail
+from schemas.openai import AnthropicErrorBody, AnthropicErrorDetail, ErrorBody, ErrorDetail
 from schemas.vocab import Endpoint, ErrorCode
 
 log = logging.getLogger(__name__)
@@ -99,18 +98,17 @@ _ANTHROPIC_TYPES = {
 }
 
 
-def anthropic_error_body(exc: KvgateError) -> dict[str, Any]:
-    """Anthropic's error shape (``{"type": "error", "error": {"type", "message"}}``), with
-    kvgate's code, param and retry_after beside, as in the OpenAI shape."""
+def anthropic_error_body(exc: KvgateError) -> AnthropicErrorBody:
+    """Anthropic's error shape, with kvgate's code, param and retry_after beside, as in the
+    OpenAI shape."""
     status = STATUS_BY_CODE[exc.code]
     kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    error: dict[str, Any] = {"type": kind, "message": exc.message, "code": exc.code.value}
-    if exc.param is not None:
-        error["param"] = exc.param
-    body: dict[str, Any] = {"type": "error", "error": error}
-    if exc.retry_after is not None:
-        body["retry_after"] = exc.retry_after
-    return body
+    return AnthropicErrorBody(
+        error=AnthropicErrorDetail(
+            type=kind, message=exc.message, code=exc.code.value, param=exc.param
+        ),
+        retry_after=exc.retry_after,
+    )
 
 
 def error_response(exc: KvgateError, request: Request | None = None) -> JSONResponse:
@@ -118,7 +116,9 @@ def error_response(exc: KvgateError, request: Request | None = None) -> JSONResp
     OpenAI's everywhere else."""
     headers = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
     if request is not None and request.url.path == Endpoint.MESSAGES.path:
-        return JSONResponse(anthropic_error_body(exc), STATUS_BY_CODE[exc.code], headers=headers)
+        return JSONResponse(
+            anthropic_error_body(exc).to_json(), STATUS_BY_CODE[exc.code], headers=headers
+        )
     return JSONResponse(error_body(exc).to_json(), STATUS_BY_CODE[exc.code], headers=headers)
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class ChatMessageIn(BaseModel):
@@ -32,20 +32,13 @@ class _CallRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=128)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _at_most_four_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and len(value) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return value
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -56,7 +49,7 @@ class ChatCompletionRequest(_CallRequest):
     them."""
 
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
@@ -76,7 +69,7 @@ class MessagesRequest(BaseModel):
 
     model: str
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_tokens: int
+    max_tokens: int = Field(ge=1)
     stream: bool = False
 
     @property
@@ -123,3 +116,23 @@ class ErrorBody(BaseModel):
         if self.decision is not None:
             body["decision"] = self.decision
         return body
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+    code: str
+    """kvgate's code, as in the OpenAI shape."""
+    param: str | None = None
+
+
+class AnthropicErrorBody(BaseModel):
+    """Anthropic's error shape (on ``/v1/messages``), plus ``retry_after`` (seconds) where
+    waiting helps."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+    retry_after: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)

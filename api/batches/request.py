@@ -22,6 +22,51 @@ CHAT_URL = "/v1/chat/completions"
 MIN_WINDOW_S, MAX_WINDOW_S = 3600, 24 * 3600
 _WINDOW = re.compile(r"^(\d+)(h|m)$")
 
+BATCH_OPTIONS_SCHEMA: dict[str, Any] = {
+    "completion_window": {
+        "type": "string",
+        "pattern": _WINDOW.pattern,
+        "default": "24h",
+        "description": "From '1h' to '24h'.",
+    },
+    "tier": {"type": "string", "enum": [tier.value for tier in Tier], "default": "besteffort"},
+}
+BATCH_BODY_SCHEMA: dict[str, Any] = {
+    "title": "BatchCreate",
+    "type": "object",
+    "description": "The batch's lines (`requests`), or OpenAI's flow: a JSONL file uploaded "
+    "before (`input_file_id`). A line that is not valid fails alone.",
+    "anyOf": [{"required": ["requests"]}, {"required": ["input_file_id"]}],
+    "properties": {
+        "requests": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["custom_id", "body"],
+                "properties": {
+                    "custom_id": {"type": "string", "minLength": 1, "maxLength": 255},
+                    "url": {"type": "string", "enum": [CHAT_URL]},
+                    "session": {
+                        "type": "string",
+                        "minLength": 1,
+                        "maxLength": 255,
+                        "description": "Lines naming one session run in order (defaults to "
+                        "`custom_id`).",
+                    },
+                    "parallel": {"type": "boolean", "default": False},
+                    "body": {"type": "object", "description": "A chat completions request."},
+                },
+            },
+        },
+        "input_file_id": {"type": "string"},
+        "endpoint": {"type": "string", "enum": [CHAT_URL]},
+        "metadata": {"type": "object"},
+        **BATCH_OPTIONS_SCHEMA,
+    },
+}
+"""What ``parse_submission`` reads of a JSON body, for the OpenAPI document."""
+
 
 @dataclass(frozen=True, slots=True)
 class LineError:

@@ -10,8 +10,10 @@ import msgspec
 from fastapi import APIRouter, Depends, Request
 
 from api.deps import FrontDoorDep
+from api.openapi import error_responses
 from broker.errors import Unauthorized
 from broker.lag import fleet_lag
+from schemas.vocab import ErrorCode
 
 
 async def require_admin(request: Request, door: FrontDoorDep) -> None:
@@ -26,15 +28,16 @@ async def require_admin(request: Request, door: FrontDoorDep) -> None:
 
 AdminDep = Annotated[None, Depends(require_admin)]
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
+_ADMIN_ERRORS = error_responses(ErrorCode.UNAUTHORIZED)
 
 
-@router.get("/lag")
+@router.get("/lag", responses=_ADMIN_ERRORS)
 async def lag(door: FrontDoorDep, _: AdminDep) -> dict[str, Any]:
     rows = await fleet_lag(door.js)
     return {"tiers": msgspec.to_builtins(rows)}
 
 
-@router.get("/workers")
+@router.get("/workers", responses=_ADMIN_ERRORS)
 async def workers(door: FrontDoorDep, _: AdminDep) -> dict[str, Any]:
     now_ms = int(time.time() * 1000)
     live = door.fleet.live(now_ms)

@@ -14,7 +14,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from api.batches import files, store
 from api.batches.request import (
+    BATCH_BODY_SCHEMA,
+    BATCH_OPTIONS_SCHEMA,
     CHAT_URL,
+    JSONL_TYPES,
     is_jsonl,
     parse_file_submission,
     parse_submission,
@@ -28,16 +31,58 @@ from api.batches.store import (
     error_file_id,
     output_file_id,
 )
-from api.bodies import idempotency_key, parse_json_object, read_body
+from api.bodies import IDEMPOTENCY_HEADER, idempotency_key, parse_json_object, read_body
 from api.deps import FrontDoorDep, TenantDep
+from api.openapi import Responses, error_responses
 from broker.db import utcnow
 from broker.errors import BatchNotFound, InvalidRequest, NotFound, UnsupportedParameter
-from schemas.vocab import Tier
+from schemas.vocab import ErrorCode, Tier
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
+_CREATE_BATCH_DOC = {
+    "parameters": [
+        {"name": name, "in": "query", "required": False, "schema": schema}
+        for name, schema in BATCH_OPTIONS_SCHEMA.items()
+    ],
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": BATCH_BODY_SCHEMA},
+            JSONL_TYPES[0]: {"schema": {"type": "string", "description": "One batch line a line."}},
+        },
+    },
+}
+_BATCH_RESPONSES: Responses = {
+    200: {"description": "The batch."},
+    **error_responses(ErrorCode.UNAUTHORIZED, ErrorCode.BATCH_NOT_FOUND),
+}
 
-@router.post("", response_model=None)
+
+@router.post(
+    "",
+    response_model=None,
+    status_code=201,
+    openapi_extra=_CREATE_BATCH_DOC,
+    responses={
+        200: {
+            "description": f"The batch created before under this {IDEMPOTENCY_HEADER}.",
+            "content": {"application/json": {"schema": {"type": "object"}}},
+        },
+        201: {"description": "The batch, created; `errors` lists its invalid lines."},
+        **error_responses(
+            ErrorCode.INVALID_JSON,
+            ErrorCode.INVALID_REQUEST,
+            ErrorCode.INVALID_PARAMETER,
+            ErrorCode.INVALID_TIER,
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            ErrorCode.NOT_FOUND,
+            ErrorCode.BODY_TOO_LARGE,
+            ErrorCode.UNAUTHORIZED,
+            ErrorCode.TIER_NOT_ALLOWED,
+        ),
+    },
+)
 async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) -> JSONResponse:
     settings = door.settings
     raw = await read_body(request, settings.max_body_bytes * 64)
@@ -118,7 +163,7 @@ async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) 
     return JSONResponse(body, status_code=201 if created else 200)
 
 
-@router.get("")
+@router.get("", responses=error_responses(ErrorCode.INVALID_REQUEST, ErrorCode.UNAUTHORIZED))
 async def list_batches(
     door: FrontDoorDep,
     tenant: TenantDep,
@@ -138,12 +183,12 @@ async def list_batches(
     }
 
 
-@router.get("/{batch_id}")
+@router.get("/{batch_id}", responses=_BATCH_RESPONSES)
 async def get_batch(batch_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
     return batch_json(await _view(door, tenant.id, batch_id))
 
 
-@router.post("/{batch_id}/cancel")
+@router.post("/{batch_id}/cancel", responses=_BATCH_RESPONSES)
 async def cancel_batch(batch_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
     await _view(door, tenant.id, batch_id)
     view = await asyncio.to_thread(store.request_cancel, door.batch_engine, tenant.id, batch_id)
@@ -152,7 +197,18 @@ async def cancel_batch(batch_id: str, door: FrontDoorDep, tenant: TenantDep) -> 
     return batch_json(view)
 
 
-@router.get("/{batch_id}/results", response_model=None)
+@router.get(
+    "/{batch_id}/results",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "One JSON object a line: each line's `custom_id`, `status`, and its "
+            "answer or error.",
+            "content": {JSONL_TYPES[0]: {"schema": {"type": "string"}}},
+        },
+        **error_responses(ErrorCode.UNAUTHORIZED, ErrorCode.BATCH_NOT_FOUND),
+    },
+)
 async def batch_results(batch_id: str, door: FrontDoorDep, tenant: TenantDep) -> StreamingResponse:
     await _view(door, tenant.id, batch_id)
     lines = await asyncio.to_thread(store.lines_of, door.batch_engine, batch_id)
@@ -166,7 +222,7 @@ async def batch_results(batch_id: str, door: FrontDoorDep, tenant: TenantDep) ->
                 out["error"] = {"code": line.error_code, "message": line.status}
             yield json.dumps(out).encode() + b"\n"
 
-    return StreamingResponse(body(), media_type="application/jsonl")
+    return StreamingResponse(body(), media_type=JSONL_TYPES[0])
 
 
 async def _view(door: FrontDoorDep, tenant: str, batch_id: str) -> BatchView:

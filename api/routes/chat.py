@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 
 from api.bodies import read_body
 from api.calls import Restarted, failure_error, follow_call
@@ -36,14 +37,31 @@ from api.chat_request import (
 from api.deps import FrontDoorDep, TenantDep
 from api.errors import anthropic_error_body, error_body
 from api.frontdoor import FrontDoor
+from api.openapi import Responses, codes_below, error_responses, json_body
 from api.replies import ReplyEvent
 from broker.admission import needs
 from broker.admission.objectives import Objective
 from broker.admission.state import SessionRecord
 from broker.admission.tenants import Tenant
-from broker.errors import Cancelled, InternalError, InvalidTier, KvgateError, WorkerLost
-from schemas.openai import ChatCompletionRequest, CompletionRequest, MessagesRequest
-from schemas.vocab import Endpoint
+from broker.errors import (
+    Cancelled,
+    InternalError,
+    InvalidRequest,
+    InvalidTier,
+    KvgateError,
+    Refused,
+    RetryableError,
+    ServerError,
+    WorkerLost,
+)
+from schemas.openai import (
+    AnthropicErrorBody,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorBody,
+    MessagesRequest,
+)
+from schemas.vocab import Endpoint, ErrorCode
 from schemas.wire import CallEnvelope, Done, Failed, TokenDelta
 
 router = APIRouter(tags=["chat"])
@@ -56,19 +74,54 @@ WORKER_ID_HEADER = "X-Kvgate-Worker"
 """The worker whose attempt answered (streamed: the one that sent the first token)."""
 
 
-def _body_schema(
-    model: type[ChatCompletionRequest | CompletionRequest | MessagesRequest],
-) -> dict[str, Any]:
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": model.model_json_schema()}},
-        }
+_NOT_A_CALLS_ERROR = {
+    ErrorCode.NOT_FOUND,
+    ErrorCode.METHOD_NOT_ALLOWED,
+    ErrorCode.BATCH_NOT_FOUND,
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+}
+CALL_ERRORS = tuple(
+    code
+    for group in (InvalidRequest, Refused, RetryableError, ServerError)
+    for code in codes_below(group)
+    if code not in _NOT_A_CALLS_ERROR
+)
+"""What a call may answer: its request's faults, admission's refusals, and (relayed from the
+worker that served it) any failure of the serving layer, the engine or the broker."""
+
+
+def _call_responses(body: type[BaseModel], events: str) -> Responses:
+    ok: dict[str, Any] = {
+        "description": "The serving layer's response body; with `stream: true`, its "
+        f"server-sent events ({events}).",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+        "headers": {
+            CALL_ID_HEADER: {"description": "The call's id.", "schema": {"type": "string"}},
+            SESSION_ID_HEADER: {
+                "description": "The session the call ran in (its own, for a call sent "
+                f"without {SESSION_HEADER}).",
+                "schema": {"type": "string"},
+            },
+            WORKER_ID_HEADER: {
+                "description": "The worker whose attempt answered.",
+                "schema": {"type": "string"},
+            },
+        },
     }
+    return {200: ok, **error_responses(*CALL_ERRORS, body=body)}
+
+
+OPENAI_CALL_RESPONSES = _call_responses(ErrorBody, "ending with `data: [DONE]`")
 
 
 @router.post(
-    "/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest), response_model=None
+    "/v1/chat/completions",
+    openapi_extra=json_body(ChatCompletionRequest),
+    response_model=None,
+    responses=OPENAI_CALL_RESPONSES,
 )
 async def create_chat_completion(
     request: Request, door: FrontDoorDep, tenant: TenantDep
@@ -77,14 +130,24 @@ async def create_chat_completion(
     return await _serve_call(request, door, tenant, parse_chat_request(body, door.settings), body)
 
 
-@router.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest), response_model=None)
+@router.post(
+    "/v1/completions",
+    openapi_extra=json_body(CompletionRequest),
+    response_model=None,
+    responses=OPENAI_CALL_RESPONSES,
+)
 async def create_completion(request: Request, door: FrontDoorDep, tenant: TenantDep) -> Response:
     body = await read_body(request, door.settings.max_body_bytes)
     call = parse_completion_request(body, door.settings)
     return await _serve_call(request, door, tenant, call, body)
 
 
-@router.post("/v1/messages", openapi_extra=_body_schema(MessagesRequest), response_model=None)
+@router.post(
+    "/v1/messages",
+    openapi_extra=json_body(MessagesRequest),
+    response_model=None,
+    responses=_call_responses(AnthropicErrorBody, "ending with `message_stop`"),
+)
 async def create_message(request: Request, door: FrontDoorDep, tenant: TenantDep) -> Response:
     """Anthropic's Messages API (Claude Code and other agents reach it through their base-URL
     setting); errors in Anthropic's shape."""
@@ -237,7 +300,10 @@ async def _sse(
 
     def error(exc: KvgateError) -> bytes:
         if anthropic:
-            return b"event: error\ndata: %s\n\n" % json.dumps(anthropic_error_body(exc)).encode()
+            return (
+                b"event: error\ndata: %s\n\n"
+                % json.dumps(anthropic_error_body(exc).to_json()).encode()
+            )
         return b"data: %s\n\n" % json.dumps(error_body(exc).to_json()).encode()
 
     sent_tokens = False

@@ -21,6 +21,7 @@ from api.batches import files, store
 from api.batches.files import FileMeta
 from api.batches.store import LineRow, LineStatus, result_file
 from api.deps import FrontDoorDep, TenantDep
+from api.openapi import error_responses
 from broker.db import utcnow
 from broker.errors import (
     BodyTooLarge,
@@ -29,14 +30,47 @@ from broker.errors import (
     UnsupportedMediaType,
     UnsupportedParameter,
 )
+from schemas.vocab import ErrorCode
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
 PURPOSES = ("batch",)
 """What kvgate takes files for: batch input. Fine-tuning and assistants files have no use here."""
+_CONTENT_TYPE = "application/octet-stream"
 
 
-@router.post("", status_code=200)
+_UPLOAD_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string", "enum": list(PURPOSES)},
+                    },
+                }
+            }
+        },
+    }
+}
+_FILE_ERRORS = (ErrorCode.UNAUTHORIZED, ErrorCode.NOT_FOUND)
+
+
+@router.post(
+    "",
+    status_code=200,
+    openapi_extra=_UPLOAD_DOC,
+    responses=error_responses(
+        ErrorCode.INVALID_REQUEST,
+        ErrorCode.UNSUPPORTED_PARAMETER,
+        ErrorCode.BODY_TOO_LARGE,
+        ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+        ErrorCode.UNAUTHORIZED,
+    ),
+)
 async def create_file(request: Request, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
     limit = door.settings.max_body_bytes * 64
     declared = request.headers.get("content-length")
@@ -63,7 +97,7 @@ async def create_file(request: Request, door: FrontDoorDep, tenant: TenantDep) -
     return file_json(meta)
 
 
-@router.get("")
+@router.get("", responses=error_responses(ErrorCode.INVALID_REQUEST, ErrorCode.UNAUTHORIZED))
 async def list_files(
     door: FrontDoorDep,
     tenant: TenantDep,
@@ -74,19 +108,29 @@ async def list_files(
     return {"object": "list", "data": [file_json(f) for f in found], "has_more": False}
 
 
-@router.get("/{file_id}")
+@router.get("/{file_id}", responses=error_responses(*_FILE_ERRORS))
 async def get_file(file_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
     meta, _ = await _find(door, tenant.id, file_id)
     return file_json(meta)
 
 
-@router.get("/{file_id}/content", response_model=None)
+@router.get(
+    "/{file_id}/content",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "The file's bytes (a batch's output or error file: JSONL).",
+            "content": {_CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+        },
+        **error_responses(*_FILE_ERRORS),
+    },
+)
 async def file_content(file_id: str, door: FrontDoorDep, tenant: TenantDep) -> Response:
     _, content = await _find(door, tenant.id, file_id)
-    return Response(content, media_type="application/octet-stream")
+    return Response(content, media_type=_CONTENT_TYPE)
 
 
-@router.delete("/{file_id}")
+@router.delete("/{file_id}", responses=error_responses(*_FILE_ERRORS))
 async def delete_file(file_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
     deleted = await asyncio.to_thread(files.delete_file, door.batch_engine, tenant.id, file_id)
     if not deleted:

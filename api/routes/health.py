@@ -12,22 +12,47 @@ import time
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from nats.js.errors import Error as JetStreamError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.deps import FrontDoorDep
+from api.openapi import error_responses
 from schemas.wire import STREAM_NAME
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+_READINESS = {
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "required": ["status", "checks"],
+                "properties": {
+                    "status": {"type": "string", "enum": ["ready", "not_ready"]},
+                    "checks": {"type": "object"},
+                },
+            }
+        }
+    }
+}
+
+
+@router.get("/healthz", responses=error_responses())
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", response_model=None)
+@router.get(
+    "/readyz",
+    response_model=None,
+    responses={
+        200: {"description": "A call could be served now.", **_READINESS},
+        503: {"description": "Not ready: `checks` says what is missing.", **_READINESS},
+        **error_responses(),
+    },
+)
 async def readyz(door: FrontDoorDep) -> JSONResponse:
     checks: dict[str, Any] = {"nats": door.nc.is_connected}
     try:
@@ -43,6 +68,13 @@ async def readyz(door: FrontDoorDep) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
-@router.get("/metrics", response_model=None)
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={
+        200: {"description": "Prometheus' text exposition format."},
+        **error_responses(),
+    },
+)
 async def metrics(door: FrontDoorDep) -> Response:
     return Response(generate_latest(door.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -7,12 +7,13 @@ import time
 from fastapi import APIRouter
 
 from api.deps import FrontDoorDep
+from api.openapi import error_responses
 from schemas.openai import ModelCard, ModelList
 
 router = APIRouter(tags=["models"])
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=error_responses())
 async def list_models(door: FrontDoorDep) -> ModelList:
     """One card per model a live, non-draining worker serves; its context length is the
     smallest its workers take (a call longer than that could land on a worker that refuses

@@ -8,28 +8,51 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from api.bodies import idempotency_key, parse_json_object, read_body
+from api.bodies import IDEMPOTENCY_HEADER, idempotency_key, parse_json_object, read_body
 from api.deps import FrontDoorDep, TenantDep
+from api.openapi import codes_below, error_responses, json_body
 from broker.admission import needs
 from broker.admission.state import SessionRecord
-from broker.errors import InvalidParameter, InvalidTier
+from broker.errors import InvalidParameter, InvalidTier, Refused
 from schemas.sessions import SessionAdmission, SessionCreate, SessionLease, SessionOut
-from schemas.vocab import Decision, Reason, Tier
+from schemas.vocab import Decision, ErrorCode, Reason, Tier
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 MAX_WAIT_SHARE_OF_DEADLINE = 0.25
 """A session held longer than this share of its deadline is left too little time to finish in
 (the deadline check at admission assumes the fastest speed the fleet shows): answer instead."""
-_BODY_SCHEMA = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/json": {"schema": SessionCreate.model_json_schema()}},
-    }
+_SESSION_RESPONSES = {
+    200: {"model": SessionOut, "description": "The session."},
+    **error_responses(
+        ErrorCode.UNAUTHORIZED, ErrorCode.SESSION_NOT_FOUND, ErrorCode.ADMISSION_UNAVAILABLE
+    ),
 }
 
 
-@router.post("", openapi_extra=_BODY_SCHEMA, response_model=None, status_code=201)
+@router.post(
+    "",
+    openapi_extra=json_body(SessionCreate),
+    response_model=None,
+    status_code=201,
+    responses={
+        200: {
+            "model": SessionOut,
+            "description": f"The session admitted before under this {IDEMPOTENCY_HEADER}.",
+        },
+        201: {"model": SessionOut, "description": "Admitted."},
+        **error_responses(
+            ErrorCode.INVALID_JSON,
+            ErrorCode.INVALID_REQUEST,
+            ErrorCode.INVALID_TIER,
+            ErrorCode.INVALID_PARAMETER,
+            ErrorCode.BODY_TOO_LARGE,
+            ErrorCode.UNAUTHORIZED,
+            ErrorCode.TIER_NOT_ALLOWED,
+            *codes_below(Refused),
+        ),
+    },
+)
 async def create_session(request: Request, door: FrontDoorDep, tenant: TenantDep) -> JSONResponse:
     settings = door.settings
     body = parse_session_create(await read_body(request, settings.max_body_bytes))
@@ -60,13 +83,13 @@ async def create_session(request: Request, door: FrontDoorDep, tenant: TenantDep
     return JSONResponse(out.model_dump(mode="json"), status_code=200 if admitted.existing else 201)
 
 
-@router.get("/{session_id}")
+@router.get("/{session_id}", responses=_SESSION_RESPONSES)
 async def get_session(session_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
     record = await door.leases.get(tenant, session_id)
     return session_out(record).model_dump(mode="json")
 
 
-@router.delete("/{session_id}")
+@router.delete("/{session_id}", responses=_SESSION_RESPONSES)
 async def close_session(session_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
     record = await door.leases.close(tenant, session_id)
     return session_out(record).model_dump(mode="json")
