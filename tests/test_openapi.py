@@ -1,0 +1,187 @@
+"""The OpenAPI document is a contract clients and gateways can use: valid, every reference
+resolves, every operation documents the errors it answers in the error shape, and a 405 says
+what the path takes. Then schemathesis holds a running front door to the document."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+from hypothesis import HealthCheck, settings
+from openapi_spec_validator import validate
+from schemathesis import Case
+
+from api.app import create_app
+from api.deps import get_tenant
+from api.openapi import COMPONENTS
+from broker.natsserver import EmbeddedNats
+from tests.procs import start_api
+
+METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
+ERROR_SCHEMAS = {COMPONENTS + "ErrorBody", COMPONENTS + "AnthropicErrorBody"}
+
+
+APP = create_app()
+DOC = APP.openapi()
+
+
+def operations(doc: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    for path, item in doc["paths"].items():
+        for method, operation in item.items():
+            if method in METHODS:
+                yield method.upper(), path, operation
+
+
+def refs(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                yield value
+            else:
+                yield from refs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from refs(item)
+
+
+def resolve(doc: dict[str, Any], ref: str) -> Any:
+    assert ref.startswith("#/"), ref
+    node: Any = doc
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        assert isinstance(node, dict) and part in node, f"{ref} does not resolve"
+        node = node[part]
+    return node
+
+
+def test_the_document_is_valid_openapi() -> None:
+    validate(DOC)
+
+
+def test_every_reference_resolves_in_the_document() -> None:
+    # openapi-spec-validator does not follow references inside schemas: a body schema's own
+    # `#/$defs/...` passed it while no client could resolve it.
+    found = set(refs(DOC))
+    assert found, "the document references no schema at all"
+    for ref in found:
+        resolve(DOC, ref)
+
+
+def test_every_operation_documents_its_errors_in_the_error_shape() -> None:
+    authenticated = _authenticated(APP)
+    for method, path, operation in operations(DOC):
+        responses = operation["responses"]
+        assert "422" not in responses, (method, path)  # validation errors are 400s
+        assert "500" in responses, (method, path)
+        if "requestBody" in operation:
+            assert {"400", "413"} <= set(responses), (method, path)
+        if operation.get("parameters"):
+            assert "400" in responses or "404" in responses, (method, path)
+        if (method, path) in authenticated:
+            assert "401" in responses, (method, path)
+        for status, response in responses.items():
+            if int(status) < 400 or (path, status) == ("/readyz", "503"):
+                continue
+            content = response["content"]
+            assert list(content) == ["application/json"], (method, path, status)
+            assert content["application/json"]["schema"]["$ref"] in ERROR_SCHEMAS
+
+
+def _authenticated(app: FastAPI) -> set[tuple[str, str]]:
+    """The (method, path) of every route whose dependencies name the tenant."""
+    return {
+        (method, route.path)
+        for route in app.routes
+        if isinstance(route, APIRoute)
+        and any(dep.call is get_tenant for dep in route.dependant.dependencies)
+        for method in route.methods
+    }
+
+
+def test_streaming_and_file_routes_document_their_content_types() -> None:
+    def ok_types(path: str, method: str = "get") -> set[str]:
+        return set(DOC["paths"][path][method]["responses"]["200"]["content"])
+
+    for call in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
+        assert ok_types(call, "post") == {"application/json", "text/event-stream"}
+    assert ok_types("/v1/batches/{batch_id}/results") == {"application/jsonl"}
+    assert ok_types("/v1/files/{file_id}/content") == {"application/octet-stream"}
+    assert ok_types("/metrics") == {"text/plain"}
+    assert set(DOC["paths"]["/v1/files"]["post"]["requestBody"]["content"]) == {
+        "multipart/form-data"
+    }
+
+
+async def test_a_405_names_every_method_its_path_takes() -> None:
+    # Routing answers a 405 before any dependency runs: the app needs no lifespan for it.
+    transport = httpx.ASGITransport(app=APP)
+    async with httpx.AsyncClient(transport=transport, base_url="http://kvgate") as client:
+        for path, item in DOC["paths"].items():
+            documented = {method.upper() for method in item if method in METHODS}
+            resp = await client.request("PATCH", path.replace("{", "x").replace("}", ""))
+            assert resp.status_code == 405, path
+            assert set(resp.headers["allow"].split(", ")) == documented, path
+            assert resp.json()["error"]["code"] == "method_not_allowed"
+
+
+# -- a running front door against its document -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def front_door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A front door with no worker: calls are deferred (503), everything else is served."""
+    root: Path = tmp_path_factory.mktemp("openapi")
+    with EmbeddedNats(root / "nats", log_file=root / "nats.log") as server:
+        proc, base = start_api(server.url, root, KVGATE_BATCH_RUNNER="false")
+        try:
+            yield base
+        finally:
+            proc.stop()
+
+
+async def test_the_front_door_serves_this_document(front_door: str) -> None:
+    async with httpx.AsyncClient(base_url=front_door) as client:
+        resp = await client.get("/openapi.json")
+    assert resp.json() == DOC
+
+
+CONTRACT = schemathesis.Config.from_str("""
+# 503 with Retry-After is an answer, not a failure: admission defers every call and session
+# while no worker serves (none does here), and /readyz says so.
+[checks.not_a_server_error]
+expected-statuses = ["2xx", "3xx", "4xx", "503"]
+
+# What kvgate reads of a body is in its schema, but not every rule: operator limits
+# (max_tokens, a session's parallelism and deadline), rules across fields (min_parallel <=
+# max_parallel), a batch's lines checked one by one against the models served, and the
+# fields a worker's vLLM serving layer reads and refuses by name. A schema-valid body may
+# still get its 400 there.
+[[operations]]
+include-method = "POST"
+include-path-regex = "^/v1/(chat/completions|completions|messages|sessions|batches)$"
+checks.positive_data_acceptance.enabled = false
+""")
+# Batch lines uploaded as JSONL are text.
+schemathesis.serializer.alias("application/jsonl", "text/plain")
+
+# Built at import: schemathesis makes one test per operation at collection. Its fixture-loaded
+# schema (`schemathesis.pytest.from_fixture`) does not run under pytest 9.
+schema = schemathesis.openapi.from_dict(DOC, config=CONTRACT)
+
+
+@schema.parametrize()
+@settings(
+    max_examples=25,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+def test_the_front_door_keeps_its_documented_contract(case: Case[Any], front_door: str) -> None:
+    case.call_and_validate(base_url=front_door, timeout=30)
