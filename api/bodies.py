@@ -8,6 +8,7 @@ an oversized body is refused before it is read whole and malformed JSON gets its
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from fastapi import Request
@@ -37,11 +38,30 @@ def _too_large(limit: int) -> InvalidRequest:
     return BodyTooLarge(f"request body exceeds {limit} bytes")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def loads_json(text: str | bytes) -> Any:
+    """``json.loads`` held to RFC 8259: Python's also reads ``NaN`` and ``Infinity``, and turns
+    a number past the float range into infinity, none of which a caller can mean and all of
+    which the body would carry unchanged to the engine's sampling parameters. Raises
+    ``ValueError`` (``json.JSONDecodeError`` for malformed text) or ``UnicodeDecodeError``."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+
+
 def parse_json_object(body: bytes) -> dict[str, Any]:
     """The body as a JSON object, or ``invalid_json`` / ``invalid_request``."""
     try:
-        raw: Any = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raw: Any = loads_json(body)
+    except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidJson(f"request body is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise InvalidRequest("request body must be a JSON object")

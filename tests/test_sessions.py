@@ -166,6 +166,25 @@ async def test_invalid_json_is_a_400(door: Door) -> None:
     assert (resp.status_code, resp.json()["error"]["code"]) == (400, "invalid_json")
 
 
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999"])
+async def test_numbers_json_does_not_have_are_invalid_json(door: Door, value: str) -> None:
+    # Python's json reads all four (the last as infinity); a body carries them unchanged to
+    # the engine, so the front door refuses them as RFC 8259 does.
+    def with_value(body: dict[str, Any]) -> bytes:
+        return json.dumps(body).replace('"VALUE"', value).encode()
+
+    async with door.client() as client:
+        resp = await client.post(
+            "/v1/sessions", content=with_value(session_body(metadata={"x": "VALUE"}))
+        )
+        call = await client.post(
+            "/v1/chat/completions", content=with_value({**chat(4), "temperature": "VALUE"})
+        )
+    for answer in (resp, call):
+        assert (answer.status_code, answer.json()["error"]["code"]) == (400, "invalid_json")
+        assert value.lstrip("-") in answer.json()["error"]["message"]
+
+
 async def test_session_lifecycle_create_get_call_close(door: Door) -> None:
     async with door.client() as client:
         created = await client.post("/v1/sessions", json=session_body(metadata={"agent": "a1"}))

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import Request
 
-from api.bodies import parse_json_object
+from api.bodies import loads_json, parse_json_object
 from api.chat_request import check_known_model, parse_chat_request
 from broker.errors import InvalidParameter, InvalidRequest, InvalidTier
 from broker.settings import ApiSettings
@@ -217,8 +217,8 @@ def _parse_line(
 
     if isinstance(raw, str):
         try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
+            raw = loads_json(raw)
+        except ValueError as exc:
             return bad(ErrorCode.INVALID_JSON, f"line is not valid JSON: {exc}")
     if not isinstance(raw, dict):
         return bad(ErrorCode.INVALID_REQUEST, "a line must be a JSON object")
