@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import nats
@@ -44,14 +44,27 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nc = await nats.connect(settings.nats_url, name="kvgate-api", max_reconnect_attempts=-1)
+        on_reconnect: list[Callable[[], None]] = []
+
+        async def reconnected() -> None:
+            for hook in on_reconnect:
+                hook()
+
+        nc = await nats.connect(
+            settings.nats_url,
+            name="kvgate-api",
+            max_reconnect_attempts=-1,
+            reconnected_cb=reconnected,
+        )
         try:
             js = nc.jetstream()
             await provision_calls(js, settings.stream)
-            kv = await workers_bucket(js, settings.stream)
             fleet = FleetView(settings.heartbeat_max_age_s)
-            watcher = FleetWatcher(kv, fleet)
+            watcher = FleetWatcher(lambda: workers_bucket(js, settings.stream), fleet)
             await watcher.start()
+            # The server may have restarted: its in-memory workers bucket is gone, and the
+            # watch on it with it.
+            on_reconnect.append(watcher.reopen)
             replies = ReplyRouter(nc)
             await replies.start()
             signals = FleetSignals(fleet)

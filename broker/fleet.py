@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from nats.js.kv import KeyValue
@@ -96,18 +97,62 @@ class FleetView:
         return {hb.model for hb in self._workers.values()}
 
 
+RETRY_S = 1.0
+"""Pause before the watch is opened again after it failed (no JetStream yet after a restart)."""
+
+
 class FleetWatcher:
-    def __init__(self, kv: KeyValue, view: FleetView) -> None:
-        self._kv = kv
+    """Feeds a ``FleetView`` from a watch on the workers bucket, reopened whenever it fails
+    and whenever ``reopen()`` says the connection came back: the bucket is kept in memory, so
+    a NATS server restart loses it (the workers put it back with their next heartbeat, or
+    ``open_bucket`` does), and a watch on the old one would wait for ever."""
+
+    def __init__(self, open_bucket: Callable[[], Awaitable[KeyValue]], view: FleetView) -> None:
+        self._open_bucket = open_bucket
         self.view = view
         self._task: asyncio.Task[None] | None = None
-        self._watcher: KeyValue.KeyWatcher | None = None
+        self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._watcher = await self._kv.watchall()
-        self._task = asyncio.create_task(self._run(self._watcher))
+        """Open the first watch (its errors are the caller's), then keep one open."""
+        first = await (await self._open_bucket()).watchall()
+        self._task = asyncio.create_task(self._run(first))
 
-    async def _run(self, watcher: KeyValue.KeyWatcher) -> None:
+    def reopen(self) -> None:
+        """Drop the current watch and open a new one (after a reconnect)."""
+        if self._watch is not None:
+            self._watch.cancel()
+
+    async def _run(self, first: KeyValue.KeyWatcher | None) -> None:
+        watcher = first
+        this = asyncio.current_task()
+        assert this is not None
+        while True:
+            pause = RETRY_S
+            try:
+                if watcher is None:
+                    watcher = await (await self._open_bucket()).watchall()
+                self._watch = asyncio.create_task(self._follow(watcher))
+                try:
+                    await self._watch
+                except asyncio.CancelledError:
+                    if this.cancelling():
+                        raise  # stop()
+                    pause = 0.0  # reopen(): at once
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("the workers bucket could not be watched: %r; retrying", exc)
+            finally:
+                if watcher is not None:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()  # type: ignore[no-untyped-call]
+                watcher = None
+            # A watch that ended by itself, or failed, is reopened after a pause, so a server
+            # that keeps refusing is not asked in a tight loop.
+            await asyncio.sleep(pause)
+
+    async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
         async for entry in watcher:
             if entry is None:  # end of the initial values
                 continue
@@ -119,9 +164,6 @@ class FleetWatcher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if self._watcher is not None:
-            with contextlib.suppress(Exception):
-                await self._watcher.stop()  # type: ignore[no-untyped-call]
 
 
 async def read_fleet(kv: KeyValue, max_age_s: float) -> FleetView:

@@ -206,8 +206,8 @@ async def run_burst(stack: KvgateStack) -> dict[str, Any]:
     from broker.streams import workers_bucket
 
     nc = await nats.connect(stack.nats.url)
-    kv = await workers_bucket(nc.jetstream(), StreamSettings())
-    watcher = FleetWatcher(kv, FleetView(max_age_s=3))
+    js = nc.jetstream()
+    watcher = FleetWatcher(lambda: workers_bucket(js, StreamSettings()), FleetView(max_age_s=3))
     await watcher.start()
     peak = {"kv_cache_usage": 0.0, "num_waiting": 0, "committed_tokens": 0}
     sampling = True

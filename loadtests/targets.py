@@ -199,8 +199,10 @@ class KvgateStack:
 
         await wait_http(self.base_url + "/readyz", [self.worker, self.api], timeout)
         self._nc = await nats.connect(self.nats.url)
-        kv = await workers_bucket(self._nc.jetstream(), StreamSettings())
-        self._watcher = FleetWatcher(kv, FleetView(max_age_s=10))
+        js = self._nc.jetstream()
+        self._watcher = FleetWatcher(
+            lambda: workers_bucket(js, StreamSettings()), FleetView(max_age_s=10)
+        )
         await self._watcher.start()
 
     async def close(self) -> None:

@@ -79,8 +79,8 @@ async def sample_fleet(
     nats_url: str, *, workers: int = 1, timeout: float = 10.0
 ) -> AsyncIterator[FleetSampler]:
     nc = await nats.connect(nats_url)
-    kv = await workers_bucket(nc.jetstream(), StreamSettings())
-    watcher = FleetWatcher(kv, FleetView(max_age_s=3))
+    js = nc.jetstream()
+    watcher = FleetWatcher(lambda: workers_bucket(js, StreamSettings()), FleetView(max_age_s=3))
     await watcher.start()
     sampler = FleetSampler(watcher.view)
     task = asyncio.create_task(sampler.run())

@@ -581,15 +581,22 @@ class Worker:
         )
 
     async def _put_heartbeat(self, *, draining: bool = False) -> None:
-        if self._kv is not None:
+        """Put this worker's heartbeat; a beat that fails is logged, and the bucket opened
+        again for the next one: it is kept in memory, so a NATS server restart loses it, and
+        front doors would never see this worker again (``workers_bucket`` creates it anew).
+        A missed beat must not stop serving, or a drain: the TTL covers it."""
+        if self._kv is None:
+            return
+        try:
             await self._kv.put(self.settings.worker_id, encode(self.heartbeat(draining=draining)))
+        except Exception as exc:
+            log.warning("heartbeat failed: %r", exc)
+            with contextlib.suppress(Exception):
+                self._kv = await workers_bucket(self.nc.jetstream(), self.settings.stream)
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            try:
-                await self._put_heartbeat()
-            except Exception as exc:  # a missed beat must not stop serving; the TTL covers it
-                log.warning("heartbeat failed: %s", exc)
+            await self._put_heartbeat()
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def _remove_heartbeat(self) -> None:
