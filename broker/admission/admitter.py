@@ -179,26 +179,40 @@ class Admitter:
                 await self._task
 
     async def _tick(self, interval_s: float) -> None:
+        """Every ``interval_s``: pressure, windows, pace, lease expiry. An unexpected error
+        in one step is logged and the next step runs: a tick that died would leave pressure,
+        the windows and expiry frozen at their last values with nothing said."""
+        failing: str | None = None
         while True:
-            now_ms = int(time.time() * 1000)
-            snapshot = self.signals.snapshot(now_ms)
-            self.pressure.observe(fleet_load(snapshot, self.signals.max_age_s))
-            self.metrics.pressure.set(int(self.pressure.state))
-            if self.fallback is not None:
-                await self.fallback.sweep(now_ms)
-            self._learn_windows(now_ms, snapshot)
-            if self.pace is not None:
-                self.pace.refresh(now_ms / 1000)
             try:
-                await self.state.sweep(now_ms)
-                if not self._state_reachable:
-                    log.info("admission state reachable again")
-                self._state_reachable = True
-            except AdmissionUnavailable as exc:
-                if self._state_reachable:  # once per outage, not twice a second
-                    log.error("%s; degraded tiers: %s", exc, self.settings.degraded_tiers)
-                self._state_reachable = False
+                await self._step()
+                failing = None
+            except Exception as exc:
+                if repr(exc) != failing:  # once per distinct error, not twice a second
+                    log.exception("admission's background step failed; it goes on")
+                failing = repr(exc)
             await asyncio.sleep(interval_s)
+
+    async def _step(self) -> None:
+        """One background step (``_tick``)."""
+        now_ms = int(time.time() * 1000)
+        snapshot = self.signals.snapshot(now_ms)
+        self.pressure.observe(fleet_load(snapshot, self.signals.max_age_s))
+        self.metrics.pressure.set(int(self.pressure.state))
+        if self.fallback is not None:
+            await self.fallback.sweep(now_ms)
+        self._learn_windows(now_ms, snapshot)
+        if self.pace is not None:
+            self.pace.refresh(now_ms / 1000)
+        try:
+            await self.state.sweep(now_ms)
+            if not self._state_reachable:
+                log.info("admission state reachable again")
+            self._state_reachable = True
+        except AdmissionUnavailable as exc:
+            if self._state_reachable:  # once per outage, not twice a second
+                log.error("%s; degraded tiers: %s", exc, self.settings.degraded_tiers)
+            self._state_reachable = False
 
     def _learn_windows(self, now_ms: int, snapshot: FleetSnapshot) -> None:
         room = fleet_has_room(snapshot, self.signals.max_age_s, self.windows.bounds.room_below)
