@@ -52,15 +52,29 @@ _KVGATE_DECIDES: Final = {
 }
 
 
+_MAX_TOKENS_FIELDS: Final = ("max_tokens", "max_completion_tokens")
+
+
+def _call_body(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object; an output budget past 64 bits is ``invalid_max_tokens``, as
+    any other unusable one is."""
+    try:
+        return parse_json_object(body)
+    except InvalidParameter as exc:
+        if exc.param in _MAX_TOKENS_FIELDS:
+            raise InvalidMaxTokens(exc.message, param=exc.param) from None
+        raise
+
+
 def parse_chat_request(body: bytes, settings: ApiSettings) -> ChatCompletionRequest:
-    raw = parse_json_object(body)
+    raw = _call_body(body)
     if "messages" not in raw:
         raise MissingMessages("'messages' is required", param="messages")
     return _checked(ChatCompletionRequest, raw, settings)
 
 
 def parse_completion_request(body: bytes, settings: ApiSettings) -> CompletionRequest:
-    raw = parse_json_object(body)
+    raw = _call_body(body)
     if "prompt" not in raw:
         raise InvalidRequest("'prompt' is required", param="prompt")
     call = _checked(CompletionRequest, raw, settings)
@@ -76,7 +90,7 @@ def parse_completion_request(body: bytes, settings: ApiSettings) -> CompletionRe
 
 
 def parse_messages_request(body: bytes, settings: ApiSettings) -> MessagesRequest:
-    raw = parse_json_object(body)
+    raw = _call_body(body)
     if "messages" not in raw:
         raise MissingMessages("'messages' is required", param="messages")
     if "max_tokens" not in raw:
@@ -120,7 +134,7 @@ def _from_validation_error(exc: ValidationError) -> InvalidRequest:
         return InvalidMessages(message, param="messages")
     if field == "prompt":
         return InvalidRequest(message, param="prompt")
-    if field in ("max_tokens", "max_completion_tokens"):
+    if field in _MAX_TOKENS_FIELDS:
         return InvalidMaxTokens(message, param=field)
     if field == "model":
         return InvalidRequest(message, param="model")

@@ -108,6 +108,18 @@ async def test_lag_reports_pending_calls_then_drains(
             await asyncio.wait_for(task, SETTLE_BOUND_S)
 
 
+async def test_admin_tokens_that_are_not_ascii_are_a_401(admin_api: str) -> None:
+    # Header values arrive as Latin-1 text: compared as text, one past ASCII raised (a 500).
+    async with httpx.AsyncClient(base_url=admin_api) as client:
+        for given in ("Bearer clé-ü".encode(), f"Bearer {TOKEN}é".encode("latin-1")):
+            for path in ("/v1/admin/lag", "/v1/admin/workers"):
+                resp = await client.get(path, headers={b"Authorization": given})
+                assert resp.status_code == 401, (path, resp.text)
+                assert resp.json()["error"]["code"] == "unauthorized"
+        ok = await client.get("/v1/admin/workers", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert ok.status_code == 200
+
+
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     out = {}
     for family in text_string_to_metric_families(text):

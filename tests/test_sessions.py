@@ -185,6 +185,43 @@ async def test_numbers_json_does_not_have_are_invalid_json(door: Door, value: st
         assert value.lstrip("-") in answer.json()["error"]["message"]
 
 
+OUT_OF_RANGE = [
+    # (field, the integer as JSON text, the code): 5,000 digits is past the digits Python
+    # converts at all; 2**70 is past the 64 bits vLLM reads a seed (or any integer) in.
+    ("max_tokens", "9" * 5000, "invalid_max_tokens"),
+    ("max_completion_tokens", "-" + "9" * 5000, "invalid_max_tokens"),
+    ("seed", str(2**70), "invalid_parameter"),
+    ("n", "9" * 4000, "invalid_parameter"),
+    ("logit_bias", '{"42": ' + "9" * 5000 + "}", "invalid_parameter"),
+]
+
+
+async def test_integers_past_64_bits_are_a_400_naming_the_field(door: Door) -> None:
+    async with door.client() as client:
+        for field, number, code in OUT_OF_RANGE:
+            body = json.dumps({**chat(4), field: "VALUE"}).replace('"VALUE"', number)
+            resp = await client.post("/v1/chat/completions", content=body.encode())
+            assert resp.status_code == 400, (field, resp.text[:300])
+            error = resp.json()["error"]
+            assert (error["code"], error["param"]) == (code, field)
+            assert field in error["message"] and len(error["message"]) < 300
+        deep = b'{"model": "kvgate-sim", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        resp = await client.post("/v1/chat/completions", content=deep)
+        assert (resp.status_code, resp.json()["error"]["code"]) == (400, "invalid_json")
+        ok = await client.post("/v1/chat/completions", json={**chat(4), "seed": 2**63 - 1})
+        assert ok.status_code == 200, ok.text
+
+
+async def test_a_key_that_is_not_ascii_is_a_401(door: Door) -> None:
+    async with door.client(key=None) as client:
+        resp = await client.post(
+            "/v1/sessions",
+            json=session_body(),
+            headers={b"Authorization": "Bearer clé-ü".encode()},
+        )
+    assert (resp.status_code, resp.json()["error"]["code"]) == (401, "unauthorized")
+
+
 async def test_session_lifecycle_create_get_call_close(door: Door) -> None:
     async with door.client() as client:
         created = await client.post("/v1/sessions", json=session_body(metadata={"agent": "a1"}))

@@ -18,8 +18,11 @@ from schemas.vocab import ErrorCode
 
 async def require_admin(request: Request, door: FrontDoorDep) -> None:
     expected = door.settings.admin_token
-    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    if not expected or not given or not hmac.compare_digest(given, expected):
+    header = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    # Compared as the bytes each is sent as: header values arrive as Latin-1 text, and
+    # compare_digest refuses text past ASCII (a token like that was a 500, not a 401).
+    given = header.encode("latin-1")
+    if not expected or not given or not hmac.compare_digest(given, expected.encode()):
         raise Unauthorized(
             "admin endpoints need 'Authorization: Bearer <KVGATE_ADMIN_TOKEN>'"
             + ("" if expected else " (no admin token is configured on this server)"),
