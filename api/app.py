@@ -31,7 +31,7 @@ from broker.db import engine_url, make_engine
 from broker.fleet import FleetView, FleetWatcher
 from broker.ledger import Ledger
 from broker.publisher import CallPublisher
-from broker.settings import ApiSettings
+from broker.settings import ApiSettings, redacted_url
 from broker.streams import provision_calls, provision_results, workers_bucket
 from broker.telemetry import tracing_wanted
 
@@ -114,7 +114,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             )
             log.info(
                 "kvgate api connected to %s; admission state %s; ledger %s",
-                settings.nats_url,
+                redacted_url(settings.nats_url),
                 "in Redis" if settings.redis_url else "in-process",
                 make_url(engine_url(settings.database_url)).render_as_string(),
             )

@@ -7,6 +7,7 @@ tests can build as many differently configured instances as they need.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pydantic import Field
@@ -17,6 +18,15 @@ from schemas.vocab import Tier
 # kvgate's development NATS port. Not 4222, so that `kvgate nats` never collides with a NATS
 # server a developer already runs on the standard port.
 DEFAULT_NATS_PORT = 4333
+
+_USERINFO = re.compile(r"(^|//|,)[^/,]*@")
+
+
+def redacted_url(url: str) -> str:
+    """``url`` fit for a log line, an error or a status page: any user, password or token in
+    it (``nats://user:pass@host``, ``nats://token@host``) shown as ``***``; in a
+    comma-separated list of servers, in each one."""
+    return _USERINFO.sub(r"\1***@", url)
 
 
 class StreamSettings(BaseSettings):

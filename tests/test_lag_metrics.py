@@ -180,3 +180,17 @@ async def test_metrics_parse_and_move_when_calls_are_made(stack: Stack) -> None:
     assert value(after, "kvgate_workers_live") == 1
     assert ("kvgate_worker_running", (("worker", "w1"),)) in after
     assert ("kvgate_queue_pending", (("tier", "guaranteed"),)) in after
+
+
+def test_the_front_door_logs_its_nats_url_without_credentials(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    # A server with no accounts takes any credentials: the URL below connects.
+    with_secret = nats_server.url.replace("nats://", "nats://kvuser:s3cret-pw@")
+    proc, _ = start_api(with_secret, tmp_path)
+    proc.stop()
+    assert proc.log_path is not None
+    log = proc.log_path.read_text()
+    host = nats_server.url.removeprefix("nats://")
+    assert f"connected to nats://***@{host}" in log
+    assert "s3cret-pw" not in log and "kvuser" not in log
