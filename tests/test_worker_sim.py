@@ -34,7 +34,13 @@ from schemas.wire import (
 )
 from tests.calls import make_call
 from tests.polling import poll_until
-from workers.engine import EngineOutput, EngineRequest, EngineStats, PreparedRequest
+from workers.engine import (
+    EngineError,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    PreparedRequest,
+)
 from workers.settings import HeadroomSettings, WorkerSettings
 from workers.sim_engine import FAIL_MARKER, SimEngine, SimEngineConfig
 from workers.worker import Worker
@@ -566,3 +572,55 @@ async def test_a_second_delivery_of_a_call_held_here_does_not_spin(harness: Harn
     # The first delivery, then about one per ack wait while it was held (two more for timing
     # slack); handing each one back at once spent every delivery the consumer allows.
     assert info.delivered.consumer_seq <= 1 + HELD_FOR_S / SHORT_ACK_WAIT.ack_wait_s + 2
+
+
+class _PrepareRaises(SimEngine):
+    """``prepare`` raises ``fault``, as the serving layer does when the request's chat template
+    raises while it renders the request (or a bug does)."""
+
+    def __init__(self, fault: Exception) -> None:
+        super().__init__(SimEngineConfig(step_s=0.01))
+        self.fault = fault
+        self.prepared = 0
+
+    async def prepare(self, request: EngineRequest) -> PreparedRequest:
+        self.prepared += 1
+        raise self.fault
+
+
+async def ended_on_arrival(harness: Harness, engine: SimEngine, call_id: str) -> Failed:
+    """The one terminal event of a call the worker could not prepare, once its message is gone
+    from the stream (not left to come back after the ack wait)."""
+    await harness.start_worker(engine=engine, stream=LONG_ACK_WAIT)
+    inbox = await harness.send(call(call_id, max_tokens=3, deadline_in_s=LONG_DEADLINE_S))
+    # Within EVENT_BOUND_S, a quarter of the ack wait: ended by the worker, not timed out.
+    await asyncio.wait_for(inbox.ended.wait(), EVENT_BOUND_S)
+
+    async def queued() -> int:
+        return (await harness.js.stream_info(STREAM_NAME)).state.messages
+
+    await poll_until(queued, lambda n: n == 0, timeout_s=EVENT_BOUND_S)
+    await asyncio.sleep(QUIET_WINDOW_S)  # nothing may follow the terminal event
+    assert len(inbox.events) == 1
+    assert isinstance(inbox.terminal, Failed)
+    return inbox.terminal
+
+
+async def test_a_call_the_worker_cannot_prepare_fails_once_and_is_terminated(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = _PrepareRaises(RuntimeError("the chat template raised"))
+    failed = await ended_on_arrival(harness, engine, "fault-arrival")
+    assert (failed.code, failed.attempt) == (ErrorCode.INTERNAL_ERROR, 1)
+    assert "fault-arrival" in failed.message
+    assert engine.prepared == 1  # a fault that would recur is not retried
+    await assert_fault_handled(harness, "fault-arrival", caplog)
+
+
+async def test_an_engine_error_on_arrival_is_reported_after_the_last_attempt(
+    harness: Harness,
+) -> None:
+    engine = _PrepareRaises(EngineError("the engine could not take it"))
+    failed = await ended_on_arrival(harness, engine, "engine-arrival")
+    assert (failed.code, failed.attempt) == (ErrorCode.ENGINE_ERROR, LONG_ACK_WAIT.max_deliver)
+    assert engine.prepared == LONG_ACK_WAIT.max_deliver

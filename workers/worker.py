@@ -108,8 +108,9 @@ class WorkerCounters:
     handed_back: int = 0
     failed: int = 0
     faulted: int = 0
-    """Calls that a fault outside the engine interrupted (an ack or a publish that failed or
-    timed out, a bug): handed back, or ended for good once answered or on the last attempt."""
+    """Calls that a fault outside the engine's own errors interrupted (an ack or a publish that
+    failed or timed out, a bug): handed back, or ended for good once answered, on the last
+    attempt, or when it struck while the call was prepared (it would strike again)."""
     max_committed_tokens: int = 0
 
 
@@ -240,6 +241,11 @@ class Worker:
     async def _arrive(self, tier: Tier, msg: Msg) -> None:
         try:
             await self._take(tier, msg)
+        except Exception:
+            # NATS failed a term or a NAK, say: the server delivers the call again after the
+            # ack wait. Logged here, not left to end the task unseen.
+            call_id = msg.headers.get(Header.CALL) if msg.headers else None
+            log.exception("call %s: its arrival failed in the worker", call_id)
         finally:
             # Whatever became of it, the call used a pull credit: plan again now, or a call
             # refused here (a bad field, a prompt too long) would leave its tier without
@@ -292,6 +298,23 @@ class Worker:
         if time.time() * 1000 >= envelope.deadline_ms:
             await self._deadline_passed(msg, relay, spans)
             return
+        try:
+            await self._prepare(tier, msg, envelope, body, relay, spans)
+        except Exception as exc:
+            await self._arrival_fault(call_id, msg, relay, spans, exc)
+
+    async def _prepare(
+        self,
+        tier: Tier,
+        msg: Msg,
+        envelope: CallEnvelope,
+        body: dict[str, Any],
+        relay: Relay,
+        spans: CallTrace,
+    ) -> None:
+        """Has the engine's serving layer render the call, then stages it to start when it
+        fits. Ends the call itself where the engine refused it or failed."""
+        call_id = envelope.call_id
         session_ms = envelope.session_started_ms or envelope.created_ms
         request = EngineRequest(
             call_id,
@@ -311,8 +334,8 @@ class Worker:
             return
         except EngineError as exc:
             spans.refused("engine_error")
-            log.warning("could not prepare call %s: %s", call_id, exc)
-            await msg.nak(delay=self.settings.nak_delay_s)
+            # Handed back on the last attempt too, the call would end only at its deadline.
+            await self._engine_failed(msg, relay, exc)
             return
         finally:
             self._preparing.discard(call_id)
@@ -327,20 +350,50 @@ class Worker:
             else:
                 await msg.nak()
             return
-        staged = self._core.stage(
-            call_id,
-            tier,
-            prompt_tokens=prepared.prompt_tokens,
-            max_tokens=prepared.max_tokens,
-            block_size=self.engine.stats().block_size,
-            session_started_ms=session_ms,
-            deadline_ms=envelope.deadline_ms,
-            now_s=time.monotonic(),
-        )
+        try:
+            staged = self._core.stage(
+                call_id,
+                tier,
+                prompt_tokens=prepared.prompt_tokens,
+                max_tokens=prepared.max_tokens,
+                block_size=self.engine.stats().block_size,
+                session_started_ms=session_ms,
+                deadline_ms=envelope.deadline_ms,
+                now_s=time.monotonic(),
+            )
+        except Exception:
+            await self.engine.discard(prepared)  # held at the engine's door: let it go
+            raise
         progress = asyncio.create_task(self._keep_in_progress(msg))
         spans.staged(staged.cost, (time.perf_counter() - preparing_since) * 1000)
         self._calls[call_id] = _Call(msg, envelope, prepared, relay, progress, spans)
         self._changed.set()
+
+    async def _arrival_fault(
+        self, call_id: str, msg: Msg, relay: Relay, spans: CallTrace, exc: Exception
+    ) -> None:
+        """Ends a call that a fault outside the engine's own errors stopped before it was
+        staged (a chat template that raised while the serving layer rendered the request, a
+        bug): the caller is told and the message terminated. Such a fault recurs on every
+        delivery, and unhandled it ended the task unseen: the call came back after each ack
+        wait, and its caller heard nothing until its deadline."""
+        attempt = int(msg.metadata.num_delivered or 1)
+        self.counters.faulted += 1
+        log.error(
+            "call %s failed in the worker on arrival (attempt %d)", call_id, attempt, exc_info=exc
+        )
+        spans.refused(ErrorCode.INTERNAL_ERROR.value)
+        try:
+            try:
+                await relay.fail(
+                    ErrorCode.INTERNAL_ERROR,
+                    f"the worker failed while preparing call {call_id}; its log has the cause",
+                )
+            finally:  # the relay may be what fails: end the message all the same
+                await msg.term()
+        except Exception as again:
+            # Out of this worker's hands: the server delivers it again after the ack wait.
+            log.error("call %s: could not end its message after the fault: %r", call_id, again)
 
     async def _deadline_passed(self, msg: Msg, relay: Relay, spans: CallTrace) -> None:
         self.counters.deadline_dropped += 1
@@ -435,7 +488,7 @@ class Worker:
             self.request_stop()
         except EngineError as exc:
             spans.failed(exc)
-            await self._engine_failed(call, exc)
+            await self._engine_failed(call.msg, call.relay, exc)
 
     async def _stopped(self, call: _Call) -> None:
         if call.stop_reason == _StopReason.CANCELLED:
@@ -447,18 +500,18 @@ class Worker:
             self.counters.handed_back += 1
             await call.msg.nak()
 
-    async def _engine_failed(self, call: _Call, exc: EngineError) -> None:
-        attempt = int(call.msg.metadata.num_delivered or 1)
+    async def _engine_failed(self, msg: Msg, relay: Relay, exc: EngineError) -> None:
+        attempt = int(msg.metadata.num_delivered or 1)
         if attempt >= self.settings.stream.max_deliver:
             self.counters.failed += 1
-            await call.relay.fail(
+            await relay.fail(
                 ErrorCode.ENGINE_ERROR, f"engine failed on all {attempt} attempts: {exc}"
             )
-            await call.msg.term()
+            await msg.term()
         else:
             log.warning("engine error on attempt %d, handing back: %s", attempt, exc)
             self.counters.handed_back += 1
-            await call.msg.nak(delay=self.settings.nak_delay_s)
+            await msg.nak(delay=self.settings.nak_delay_s)
 
     async def _worker_fault(self, call: _Call, exc: Exception) -> None:
         """Ends a call that a fault outside the engine interrupted: handed back with the NAK
