@@ -1,12 +1,18 @@
 """Turn a batch submission (a JSON body or a JSONL upload) into validated lines, reporting each
-bad line with its number, ``custom_id`` and reason instead of refusing the whole batch."""
+bad line with its number, ``custom_id`` and reason instead of refusing the whole batch.
+
+The line limit is checked before any line is parsed: a parsed line costs some hundreds of bytes
+however short its text, so a body of tiny lines parsed first would cost far more memory than
+its size. Parsing is CPU-bound and blocking; the front door runs it in a worker thread.
+"""
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from fastapi import Request
@@ -21,6 +27,7 @@ JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/x-jsonl
 CHAT_URL = "/v1/chat/completions"
 MIN_WINDOW_S, MAX_WINDOW_S = 3600, 24 * 3600
 _WINDOW = re.compile(r"^(\d+)(h|m)$")
+_NOT_BLANK = re.compile(r"\S")
 
 BATCH_OPTIONS_SCHEMA: dict[str, Any] = {
     "completion_window": {
@@ -144,9 +151,8 @@ def parse_submission(
     a line naming a model outside ``models`` fails alone."""
     params = request.query_params
     if is_jsonl(request):
-        raw_lines: list[object] = []
-        for text in body.decode("utf-8", errors="replace").split("\n"):
-            raw_lines.append(text)
+        text = body.decode("utf-8", errors="replace")
+        raw_lines: list[object] = jsonl_lines(text, settings.batch_max_lines)
         options: dict[str, Any] = dict(params)
         metadata: dict[str, Any] = {}
     else:
@@ -158,7 +164,7 @@ def parse_submission(
                 "content-type application/jsonl)",
                 param="requests",
             )
-        raw_lines = list(requests)
+        raw_lines = requests
         options = {**dict(params), **obj}
         metadata = obj.get("metadata") or {}
         if not isinstance(metadata, dict):
@@ -174,7 +180,26 @@ def parse_file_submission(
     if not isinstance(metadata, dict):
         raise InvalidParameter("metadata must be an object", param="metadata")
     text = content.decode("utf-8", errors="replace")
-    return parse_lines(list(text.split("\n")), options, metadata, settings, models)
+    raw_lines: list[object] = jsonl_lines(text, settings.batch_max_lines)
+    return parse_lines(raw_lines, options, metadata, settings, models)
+
+
+def jsonl_lines(text: str, limit: int) -> list[object]:
+    """The first ``limit + 1`` lines of a JSONL text that are not blank, so that the caller can
+    tell a text past the limit without holding every line of it: blank lines are skipped
+    without being copied, however many there are."""
+    return list(islice(_not_blank_lines(text), limit + 1))
+
+
+def _not_blank_lines(text: str) -> Iterator[str]:
+    # Blank means what ``str.strip`` removes: regex ``\S`` is exactly its complement.
+    pos = 0
+    while (found := _NOT_BLANK.search(text, pos)) is not None:
+        start = text.rfind("\n", pos, found.start()) + 1
+        end = text.find("\n", found.start())
+        end = len(text) if end < 0 else end
+        yield text[start:end]
+        pos = end
 
 
 def parse_lines(
@@ -186,21 +211,25 @@ def parse_lines(
 ) -> BatchSubmission:
     window = completion_window_s(options.get("completion_window", "24h"))
     tier = batch_tier(options.get("tier"))
-    lines: list[ParsedLine] = []
-    seen: set[str] = set()
-    number = 0
-    for raw in raw_lines:
-        if isinstance(raw, str) and not raw.strip():
-            continue  # blank lines of a JSONL file
-        number += 1
-        lines.append(_parse_line(number, raw, seen, settings, models))
-    if not lines:
+    # Counted before any line is parsed (see the module docstring).
+    count = sum(1 for raw in raw_lines if not _blank(raw))
+    if not count:
         raise InvalidRequest("the batch has no lines")
-    if len(lines) > settings.batch_max_lines:
+    if count > settings.batch_max_lines:
         raise InvalidRequest(
             f"a batch may have at most {settings.batch_max_lines} lines",
         )
+    lines: list[ParsedLine] = []
+    seen: set[str] = set()
+    for raw in raw_lines:
+        if not _blank(raw):
+            lines.append(_parse_line(len(lines) + 1, raw, seen, settings, models))
     return BatchSubmission(window, tier, metadata, lines)
+
+
+def _blank(raw: object) -> bool:
+    """A blank line of a JSONL file, skipped without a line number."""
+    return isinstance(raw, str) and not raw.strip()
 
 
 def _parse_line(
