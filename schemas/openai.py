@@ -6,6 +6,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""The range of ``seed`` as vLLM reads it (a signed 64-bit integer)."""
+
 
 class ChatMessageIn(BaseModel):
     """A message as the front door checks it: its role. Everything else (content parts, tool
@@ -39,6 +42,9 @@ class _CallRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    # Checked here, although only vLLM reads it: a seed past vLLM's range would otherwise be
+    # admitted and queued, then refused by the worker (and cannot travel in msgpack at all).
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

@@ -6,13 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from api.batches import store
+from api.batches.request import ParsedLine
+from api.routes.batches import line_rows
+from broker.db import make_engine, utcnow
 from broker.natsserver import EmbeddedNats
 from broker.procs import Proc
 from tests.batches import batch_results, wait_for_batch
@@ -165,6 +171,88 @@ async def test_bad_lines_are_reported_and_answered_and_a_bad_batch_is_a_400(door
     assert jsonl.status_code == 201
     assert [(e["line"], e["code"]) for e in jsonl.json()["errors"]] == [(3, "invalid_json")]
     assert jsonl.json()["completion_window"] == "2h"
+
+
+async def test_a_seed_past_vllms_64_bit_range_is_refused_by_name_for_a_call_and_a_line(
+    door: Door,
+) -> None:
+    big = 1 << 70  # vLLM reads seed as a signed 64-bit integer, msgpack cannot carry it
+    seeded = line("big-seed", "b")
+    seeded["body"] = {**seeded["body"], "seed": big}
+    async with door.client() as client:
+        call = await client.post(
+            "/v1/chat/completions", json={**line("c", "c")["body"], "seed": big}
+        )
+        resp = await client.post("/v1/batches", json={"requests": [line("ok", "a"), seeded]})
+        assert resp.status_code == 201, resp.text
+        done = await wait_for_batch(client, resp.json()["id"], timeout_s=BATCH_END_BOUND_S)
+        out = await batch_results(client, resp.json()["id"])
+    assert call.status_code == 400, call.text
+    assert (call.json()["error"]["code"], call.json()["error"]["param"]) == (
+        "invalid_parameter",
+        "seed",
+    )
+    assert [(e["line"], e["code"]) for e in resp.json()["errors"]] == [(2, "invalid_parameter")]
+    assert "seed" in resp.json()["errors"][0]["message"]
+    assert done["request_counts"]["completed"] == 1
+    assert [(r["custom_id"], r["status"]) for r in out] == [
+        ("ok", "completed"),
+        ("big-seed", "failed"),
+    ]
+
+
+async def test_a_stored_line_that_can_no_longer_be_sent_fails_alone(door: Door) -> None:
+    # As if stored before the seed was checked on submit: the runner must fail that line by
+    # itself, not stop on it every tick (which stalled its batch and every batch after it).
+    bad_body = {**line("x", "x")["body"], "seed": 1 << 70}
+    stored = store_batch(
+        door.db,
+        [
+            ParsedLine(1, "bad", "s1", False, bad_body),
+            ParsedLine(2, "ok-1", "s2", False, line("x", "x")["body"]),
+        ],
+    )
+    after = store_batch(door.db, [ParsedLine(1, "ok-2", "s3", False, line("x", "x")["body"])])
+    async with door.client() as client:
+        done = await wait_for_batch(client, stored, timeout_s=BATCH_END_BOUND_S)
+        other = await wait_for_batch(client, after, timeout_s=BATCH_END_BOUND_S)
+        out = await batch_results(client, stored)
+    assert done["status"] == other["status"] == "completed"
+    assert [(r["custom_id"], r["status"]) for r in out] == [
+        ("bad", "failed"),
+        ("ok-1", "completed"),
+    ]
+    assert out[0]["error"]["code"] == "invalid_parameter" and "seed" in out[0]["error"]["message"]
+
+
+def store_batch(db: Path, lines: list[ParsedLine]) -> str:
+    """A batch of acme's written straight to the database, as a front door of an earlier
+    version would have: its lines are not checked. Its id."""
+    now = utcnow()
+    batch_id = f"batch_{uuid.uuid4().hex}"
+    batch = {
+        "id": batch_id,
+        "tenant": "acme",
+        "tier": "besteffort",
+        "status": "in_progress",
+        "completion_window_s": 3600,
+        "created_at": now,
+        "expires_at": now + timedelta(hours=1),
+        "finished_at": None,
+        "cancel_requested": False,
+        "total": len(lines),
+        "idempotency_key": None,
+        "runner": None,
+        "runner_seen_at": None,
+        "metadata": {},
+        "input_file_id": None,
+    }
+    engine = make_engine(f"sqlite:///{db}")
+    try:
+        store.create_batch(engine, batch, line_rows(batch_id, lines, now))
+    finally:
+        engine.dispose()
+    return batch_id
 
 
 async def test_a_tenant_sees_only_its_own_batches(door: Door) -> None:

@@ -38,7 +38,7 @@ from api.chat_request import parse_chat_request, to_envelope
 from broker.admission import needs
 from broker.admission.admitter import Admitter
 from broker.db import utcnow
-from broker.errors import KvgateError, Refused, RetryableError
+from broker.errors import InvalidRequest, KvgateError, Refused, RetryableError
 from broker.publisher import CallPublisher
 from broker.settings import ApiSettings
 from schemas.vocab import ErrorCode, SessionState, Tier
@@ -146,7 +146,10 @@ class BatchRunner:
             self.settings.batch_runner_stale_s,
         )
         for batch in owned:
-            await self._advance(batch, now)
+            try:
+                await self._advance(batch, now)
+            except Exception:  # one batch's trouble must not hold up the batches after it
+                log.exception("batch %s not advanced; retrying next tick", batch.id)
 
     async def _advance(self, batch: BatchRow, now: datetime) -> None:
         lines = await asyncio.to_thread(store.lines_of, self.engine, batch.id)
@@ -187,16 +190,29 @@ class BatchRunner:
         start = runnable(lines)
         if run.lease is not None:
             await self.admitter.store_for(run.lease).touch(run.lease, int(time.time() * 1000))
-        if not start:
+        sendable: list[LineRow] = []
+        for line in start:
+            checked = self._line_call(batch, line, "")
+            if isinstance(checked, InvalidRequest):
+                # Failed alone, before admission sizes the session; the lines after it may start.
+                await self._fail_lines([line], checked.code, checked.message)
+                self.wake()
+            else:
+                sendable.append(line)
+        if not sendable:
             return
         if run.lease is None and not await self._admit(batch, run, lines, now):
             return
         assert run.lease is not None
         started: list[int] = []
         started_at = utcnow()
-        for line in start:
+        for line in sendable:
+            call = self._line_call(batch, line, run.lease)
+            if isinstance(call, InvalidRequest):
+                await self._fail_lines([line], call.code, call.message)
+                continue
             try:
-                await self._publish(batch, line, run.lease)
+                await self._publish(batch, call)
             except KvgateError as exc:
                 log.warning("batch %s line %d not queued yet: %s", batch.id, line.line_no, exc)
                 break
@@ -214,8 +230,14 @@ class BatchRunner:
             await self._fail_lines(lines, ErrorCode.UNAUTHORIZED, "the tenant no longer exists")
             return False
         left_s = (batch.expires_at - now).total_seconds()
-        # Sized from the calls as they will be published (open lines were validated on submit).
-        calls = [self._envelope(batch, line, "") for line in lines if not line.terminal]
+        # Sized from the calls as they will be published; a line that cannot be one is failed
+        # when its turn comes (see ``_line_call``).
+        calls = [
+            call
+            for line in lines
+            if not line.terminal
+            if isinstance(call := self._line_call(batch, line, ""), CallEnvelope)
+        ]
         need = needs.for_batch(
             Tier(batch.tier), calls, lines=len(lines), widest=widest_group(lines), left_s=left_s
         )
@@ -239,6 +261,20 @@ class BatchRunner:
         run.lease = admitted.record.id
         return True
 
+    def _line_call(
+        self, batch: BatchRow, line: LineRow, session_id: str
+    ) -> CallEnvelope | InvalidRequest:
+        """The line's call, or why it can never be one. Lines were validated on submit, but a
+        line stored before a check existed, or under limits since lowered, must fail alone:
+        raised, it would stop its batch (and its session's lease) on every tick."""
+        try:
+            return self._envelope(batch, line, session_id)
+        except InvalidRequest as exc:
+            return exc
+        except Exception as exc:  # a body no check foresaw is still that line's failure only
+            log.exception("batch %s line %d cannot be sent", batch.id, line.line_no)
+            return InvalidRequest(f"the line cannot be sent: {exc}")
+
     def _envelope(self, batch: BatchRow, line: LineRow, session_id: str) -> CallEnvelope:
         """The line's call, with its fixed call id and the batch window as its deadline."""
         body = msgspec.json.encode(line.body)
@@ -254,9 +290,9 @@ class BatchRunner:
         )
         return msgspec.structs.replace(call, call_id=line.call_id)
 
-    async def _publish(self, batch: BatchRow, line: LineRow, lease: str) -> None:
+    async def _publish(self, batch: BatchRow, call: CallEnvelope) -> None:
         await self.publisher.publish(
-            self._envelope(batch, line, lease),
+            call,
             None,
             now_ms=int(time.time() * 1000),
             result_subject=f"{RESULT_SUBJECT_PREFIX}{batch.id}",
