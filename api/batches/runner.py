@@ -64,15 +64,17 @@ class _SessionRun:
 def runnable(lines: list[LineRow]) -> list[LineRow]:
     """The pending lines of one session (in line order) that may start now: a line waits for
     every earlier line, except that a ``parallel`` line does not wait for the line before it
-    (nor for the parallel run it belongs to)."""
+    (nor for the parallel run it belongs to). One pass: the runner decides this for every
+    session on every tick, and a session may have tens of thousands of lines."""
+    first_open = next((i for i, line in enumerate(lines) if not line.terminal), len(lines))
     out: list[LineRow] = []
+    run_start = 0  # where the run of parallel lines that ``line`` belongs to begins
     for i, line in enumerate(lines):
-        if line.status != LineStatus.PENDING.value:
-            continue
-        start = i
-        while start > 0 and lines[start].parallel:
-            start -= 1
-        if all(lines[j].terminal for j in range(start)):
+        if not line.parallel:
+            run_start = i
+        if run_start > first_open:
+            break  # this run, and every later one, waits for the open line before it
+        if line.status == LineStatus.PENDING.value:
             out.append(line)
     return out
 
