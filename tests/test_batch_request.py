@@ -25,11 +25,11 @@ MODEL = "kvgate-sim"
 LINES = 100_000
 KEY = "acme-key"
 
-LOOP_STALL_BOUND_S = 0.75
-"""The longest the front door may leave a health check unanswered while it parses a batch:
-generous for a loaded 2-core machine (a thread parsing holds the GIL for 5 ms at a time, and
-a health check needs it many times), and half what parsing the batch below on the event loop
-took (1.7 s)."""
+STALL_SHARE = 1 / 3
+"""The longest health check, as a share of the whole submission, while the front door parses
+a big batch. Parsed on the event loop, a health check sent during the parse waits for all of
+it (1.7 s of a submission of a few seconds here); parsed in a thread, it waits a few of the
+GIL's 5 ms turns. A share, not seconds, so a slower or busier machine moves both alike."""
 
 
 def test_lines_past_the_limit_are_refused_before_any_is_parsed() -> None:
@@ -84,13 +84,15 @@ async def test_the_front_door_answers_while_it_parses_a_big_batch(
                 )
             )
             stalls: list[float] = []
+            began = time.monotonic()
             while not submit.done():
                 started = time.monotonic()
                 assert (await client.get("/healthz")).status_code == 200
                 stalls.append(time.monotonic() - started)
             resp = await submit
+            submit_s = time.monotonic() - began
     finally:
         proc.stop()
     assert resp.status_code == 201, resp.text
     assert resp.json()["request_counts"]["total"] == LINES
-    assert len(stalls) > 1 and max(stalls) < LOOP_STALL_BOUND_S, (len(stalls), max(stalls))
+    assert len(stalls) > 1 and max(stalls) < STALL_SHARE * submit_s, (stalls, submit_s)

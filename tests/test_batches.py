@@ -179,11 +179,17 @@ async def test_a_seed_past_vllms_64_bit_range_is_refused_by_name_for_a_call_and_
     big = 1 << 70  # vLLM reads seed as a signed 64-bit integer, msgpack cannot carry it
     seeded = line("big-seed", "b")
     seeded["body"] = {**seeded["body"], "seed": big}
+    jsonl = "\n".join(json.dumps(x) for x in (line("ok", "a"), seeded)).encode()
     async with door.client() as client:
         call = await client.post(
             "/v1/chat/completions", json={**line("c", "c")["body"], "seed": big}
         )
-        resp = await client.post("/v1/batches", json={"requests": [line("ok", "a"), seeded]})
+        # Inline, the batch is one JSON body: refused whole, with the line's path named.
+        inline = await client.post("/v1/batches", json={"requests": [line("ok", "a"), seeded]})
+        # As JSONL, each line is its own: that line fails alone.
+        resp = await client.post(
+            "/v1/batches", content=jsonl, headers={"content-type": "application/jsonl"}
+        )
         assert resp.status_code == 201, resp.text
         done = await wait_for_batch(client, resp.json()["id"], timeout_s=BATCH_END_BOUND_S)
         out = await batch_results(client, resp.json()["id"])
@@ -192,6 +198,8 @@ async def test_a_seed_past_vllms_64_bit_range_is_refused_by_name_for_a_call_and_
         "invalid_parameter",
         "seed",
     )
+    assert (inline.status_code, inline.json()["error"]["code"]) == (400, "invalid_parameter")
+    assert "requests[1].body.seed" in inline.json()["error"]["message"]
     assert [(e["line"], e["code"]) for e in resp.json()["errors"]] == [(2, "invalid_parameter")]
     assert "seed" in resp.json()["errors"][0]["message"]
     assert done["request_counts"]["completed"] == 1

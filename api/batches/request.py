@@ -8,6 +8,7 @@ its size. Parsing is CPU-bound and blocking; the front door runs it in a worker 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Collection, Iterator
@@ -17,7 +18,7 @@ from typing import Any
 
 from fastapi import Request
 
-from api.bodies import loads_json, parse_json_object
+from api.bodies import IntegerOutOfRange, loads_json, parse_json_object
 from api.chat_request import check_known_model, parse_chat_request
 from broker.errors import InvalidParameter, InvalidRequest, InvalidTier
 from broker.settings import ApiSettings
@@ -245,8 +246,16 @@ def _parse_line(
         return ParsedLine(number, key, key, False, {}, error)
 
     if isinstance(raw, str):
+        text = raw
         try:
-            raw = loads_json(raw)
+            raw = loads_json(text)
+        except IntegerOutOfRange as exc:
+            # Refused by name, but the line is JSON: its custom_id still names its result.
+            with contextlib.suppress(ValueError):
+                whole = json.loads(text)
+                named = whole.get("custom_id") if isinstance(whole, dict) else None
+                custom_id = named if isinstance(named, str) and 0 < len(named) <= 255 else None
+            return bad(ErrorCode.INVALID_PARAMETER, str(exc))
         except ValueError as exc:
             return bad(ErrorCode.INVALID_JSON, f"line is not valid JSON: {exc}")
     if not isinstance(raw, dict):
