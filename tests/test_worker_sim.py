@@ -193,6 +193,32 @@ async def test_a_call_refused_on_arrival_does_not_hold_up_the_next(harness: Harn
     assert isinstance(following.terminal, Done)
 
 
+async def test_credit_whose_expiry_notice_was_lost_is_asked_for_again(harness: Harness) -> None:
+    """A pull request that ends at the server without its expiry notice reaching the worker
+    (lost in a reconnect) must not count as open credit for ever: the tier would never be
+    asked for again while the worker reports itself idle."""
+    worker = await harness.start_worker(pull_expires_s=1)
+    await harness.doorbells_open()
+    # Lose the notices: nobody listens on the pull inboxes while the open requests expire.
+    # The test reaches into the worker's pullers, as a dropped connection would.
+    pullers = list(worker._pullers.values())
+    for puller in pullers:
+        assert puller._sub is not None
+        await puller._sub.unsubscribe()
+
+    async def waiting() -> list[int]:
+        infos = [await harness.js.consumer_info(STREAM_NAME, consumer_name(t, MODEL)) for t in Tier]
+        return [info.num_waiting or 0 for info in infos]
+
+    await poll_until(waiting, lambda counts: not any(counts), timeout_s=EVENT_BOUND_S)
+    for puller in pullers:
+        puller._sub = await worker.nc.subscribe(puller._inbox, cb=puller._receive)
+
+    following = await harness.send(call("after-the-loss", max_tokens=3))
+    await asyncio.wait_for(following.ended.wait(), EVENT_BOUND_S)
+    assert isinstance(following.terminal, Done)
+
+
 async def test_calls_complete_with_one_terminal_event(harness: Harness) -> None:
     await harness.start_worker()
     inboxes = [await harness.send(call(f"c{i}", max_tokens=5)) for i in range(6)]

@@ -212,6 +212,10 @@ class Worker:
         return self._core.committed_tokens(self.engine.stats().block_size)
 
     async def _open_credit(self, now: float) -> None:
+        for puller in self._pullers.values():
+            # A request whose expiry notice was lost (a reconnect, a server restart) would
+            # count as open credit for ever, and the tier would never be asked for again.
+            puller.sweep(now)
         plain = [
             TierView(t, self._pullers[t].outstanding, self._pullers[t].backlog)
             for t in TIERS_BY_PRIORITY
