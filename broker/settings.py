@@ -7,10 +7,12 @@ tests can build as many differently configured instances as they need.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
+from typing import Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.vocab import Tier
@@ -20,6 +22,17 @@ from schemas.vocab import Tier
 DEFAULT_NATS_PORT = 4333
 
 _USERINFO = re.compile(r"(^|//|,)[^/,]*@")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address reaches this machine only. A name other than ``localhost`` is not
+    resolved here, so it counts as reachable from the network."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def redacted_url(url: str) -> str:
@@ -73,6 +86,9 @@ class ApiSettings(BaseSettings):
     # `dev_tenant_tier`. No Redis URL: in-process admission state (one replica only).
     tenants_file: Path | None = None
     dev_tenant_tier: Tier = Tier.STANDARD
+    # Without a tenants file, a front door bound to any address but loopback would let anyone
+    # on the network in as the development tenant: refused at start-up unless this says so.
+    allow_open_network: bool = False
     redis_url: str | None = None
     redis_prefix: str = "{kvgate}"
     # A Redis operation slower than this is "admission state unavailable" (503, or the degraded
@@ -125,3 +141,14 @@ class ApiSettings(BaseSettings):
     batch_runner_stale_s: float = Field(default=30.0, gt=0)
     batch_max_lines: int = Field(default=50_000, ge=1)
     stream: StreamSettings = Field(default_factory=StreamSettings)
+
+    @model_validator(mode="after")
+    def _closed_unless_meant(self) -> Self:
+        if self.tenants_file is None and not self.allow_open_network and not is_loopback(self.host):
+            raise ValueError(
+                f"host {self.host!r} is reachable from the network and no tenants file is set"
+                " (KVGATE_TENANTS_FILE), so every caller would be the open development tenant:"
+                " set a tenants file, bind to 127.0.0.1, or set KVGATE_ALLOW_OPEN_NETWORK=true"
+                " if an open front door is meant"
+            )
+        return self

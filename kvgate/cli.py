@@ -108,14 +108,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_api(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from broker.settings import ApiSettings
+
+    overrides = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
+    try:
+        settings = ApiSettings(**overrides)
+    except ValidationError as exc:  # a bad flag or variable: named by the model, no traceback
+        print(f"kvgate api: {exc}", file=sys.stderr)
+        return 2
     import uvicorn
 
     from api.app import create_app
-    from broker.settings import ApiSettings
     from broker.telemetry import setup_tracing, shutdown_tracing
 
-    overrides = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
-    settings = ApiSettings(**overrides)
     setup_tracing("kvgate-api")
     try:
         uvicorn.run(
@@ -217,8 +224,16 @@ def cmd_key_hash(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from broker.settings import ApiSettings
     from kvgate.supervisor import Supervisor
 
+    try:  # the front door's own check, before any process is started
+        ApiSettings(host=args.host, port=args.port)
+    except ValidationError as exc:
+        print(f"kvgate up: {exc}", file=sys.stderr)
+        return 2
     return Supervisor(
         data_dir=Path(args.data_dir),
         model_dir=Path(args.model) if args.model else None,
