@@ -17,7 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from schemas.wire import Done, Failed, TokenDelta, decode_event
+from schemas.wire import PROBE_GONE, PROBE_WAITING, Done, Failed, Header, TokenDelta, decode_event
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,11 @@ class ReplyRouter:
     async def _route(self, msg: Msg) -> None:
         call_id = msg.subject.rsplit(".", 1)[-1]
         stream = self._streams.get(call_id)
+        if msg.headers and Header.PROBE in msg.headers:
+            # A worker asks whether anyone still waits for this call's events.
+            if msg.reply:
+                await msg.respond(PROBE_WAITING if stream is not None else PROBE_GONE)
+            return
         if stream is None:
             return  # the caller gave up; the worker learns through the cancel subject
         try:

@@ -71,6 +71,14 @@ class Header:
     call then has no reply inbox and no token events)."""
     MSG_ID: Final = "Nats-Msg-Id"
     TTL: Final = "Nats-TTL"
+    PROBE: Final = "Kvgate-Probe"
+    """On a request a worker sends to a call's reply inbox (no body): does the caller still
+    wait? The front door answers ``PROBE_WAITING`` or ``PROBE_GONE``; no front door at all is
+    NATS's "no responders"."""
+
+
+PROBE_WAITING: Final = b"waiting"
+PROBE_GONE: Final = b"gone"
 
 
 class CallEnvelope(msgspec.Struct, frozen=True):

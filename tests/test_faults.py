@@ -4,6 +4,7 @@ mid-generation and SIGTERM drains. No call may be lost or answered twice."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -21,8 +22,9 @@ from nats.aio.msg import Msg
 
 from broker.natsserver import EmbeddedNats
 from broker.procs import Proc
-from schemas.wire import STREAM_NAME, TokenDelta, decode_event
+from schemas.wire import STREAM_NAME, TokenDelta, WorkerHeartbeat, decode_event
 from tests.calls import chat_body
+from tests.polling import poll_until
 from tests.procs import start_api, start_worker
 from tests.sampler import FleetSampler, sample_fleet
 
@@ -36,6 +38,12 @@ WORKERS_READY_BOUND_S = 240
 """Two vLLM CPU workers starting side by side on two cores (~30 s each alone)."""
 SURVIVOR_CANCEL_BOUND_S = 30
 """For a survivor's heartbeat (every 0.2 s) to show the redelivered attempt it cancelled."""
+ORPHANS = 24
+"""Streamed calls in flight through a front door that is then killed: two of 900 tokens fit in
+each worker's cache at a time, so most are still queued when it dies."""
+ORPHANS_END_BOUND_S = 120
+"""For every call of the killed front door to have ended at the workers. Run to their last
+token two at a time per worker they would take longer than the assertions allow anyway."""
 
 
 class FaultStack:
@@ -126,6 +134,15 @@ def kill(proc: Proc) -> None:
     os.killpg(proc.pid, signal.SIGKILL)  # the worker and its engine core process
     proc.wait(10)
     proc.stop()
+
+
+async def last_sequence(url: str) -> int:
+    """The calls stream's last sequence number: how many calls were ever published to it."""
+    nc = await nats.connect(url)
+    try:
+        return (await nc.jetstream().stream_info(STREAM_NAME)).state.last_seq
+    finally:
+        await nc.close()
 
 
 async def stream_is_empty(url: str) -> bool:
@@ -220,3 +237,67 @@ async def test_sigkill_mid_stream_ends_the_stream_with_worker_lost(
         SURVIVOR_CANCEL_BOUND_S,
     )
     assert await stream_is_empty(faults.nats.url)
+
+
+async def test_a_killed_front_door_leaves_no_call_running_for_nobody(
+    faults: FaultStack, fleet: FleetSampler
+) -> None:
+    """A front door SIGKILLed mid-stream sends no cancel. The workers ask each call's inbox
+    whether its caller still waits (at once, then every 2 s) and end the calls nobody waits
+    for: most never run to their last token, none stays held or queued, and the other front
+    door serves on."""
+    # Admits every call at once (they queue in JetStream), as a busy front door would have.
+    doomed, doomed_url = start_api(
+        faults.nats.url,
+        faults.root,
+        KVGATE_ADMISSION_KV_OVERCOMMIT="50",
+        KVGATE_ADMISSION_KV_OVERCOMMIT_MAX="50",
+        **STREAM_ENV,
+    )
+    before = {hb.worker_id: hb for hb in fleet.workers()}
+    published_before = await last_sequence(faults.nats.url)
+    first_token = asyncio.Event()
+
+    async def stream_one(client: httpx.AsyncClient) -> None:
+        with contextlib.suppress(httpx.HTTPError):  # the connection dies with the front door
+            payload = body(900, stream=True)
+            async with client.stream("POST", "/v1/chat/completions", json=payload) as r:
+                async for text in r.aiter_text():
+                    if '"content":"' in text.replace('"content":""', ""):
+                        first_token.set()
+
+    async def published() -> int:
+        return await last_sequence(faults.nats.url) - published_before
+
+    async with httpx.AsyncClient(base_url=doomed_url, timeout=CLIENT_TIMEOUT_S) as client:
+        streams = [asyncio.create_task(stream_one(client)) for _ in range(ORPHANS)]
+        # Every call admitted and queued, and tokens flowing: then the front door dies.
+        await poll_until(published, lambda n: n >= ORPHANS, timeout_s=CLIENT_TIMEOUT_S)
+        await asyncio.wait_for(first_token.wait(), CLIENT_TIMEOUT_S)
+        kill(doomed)
+        await asyncio.gather(*streams)
+    admitted = ORPHANS
+
+    def ended(live: list[WorkerHeartbeat]) -> int:
+        return sum(
+            hb.completed
+            + hb.cancelled
+            - before[hb.worker_id].completed
+            - before[hb.worker_id].cancelled
+            for hb in live
+            if hb.worker_id in before
+        )
+
+    live = await fleet.until(
+        lambda live: (
+            ended(live) >= admitted and all(hb.num_running == 0 and hb.staged == 0 for hb in live)
+        ),
+        ORPHANS_END_BOUND_S,
+    )
+    cancelled = sum(hb.cancelled - before[hb.worker_id].cancelled for hb in live)
+    assert ended(live) == admitted  # each ended once
+    assert cancelled >= admitted // 2, cancelled  # most never ran to their last token
+    assert await stream_is_empty(faults.nats.url)
+    async with httpx.AsyncClient(base_url=faults.base_url, timeout=CLIENT_TIMEOUT_S) as client:
+        after = await client.post("/v1/chat/completions", json=body(20))
+    assert after.status_code == 200, after.text

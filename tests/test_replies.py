@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from nats.aio.client import Client as NATS
 
-from api.replies import ReplyStream
+from api.replies import ReplyRouter, ReplyStream
 from schemas.vocab import ErrorCode, FinishReason
 from schemas.wire import Done, Failed, TokenDelta, Usage, decode_event, encode
+from workers.relay import ReplyRelay
+
+PROBE_TIMEOUT_S = 10.0
+"""For the front door's answer to a probe: generous for a loaded machine (an answer that does
+not come in time reads as "still waiting", which would fail the "gone" checks)."""
 
 
 def tok(seq: int, text: str, attempt: int = 1) -> TokenDelta:
@@ -57,3 +63,19 @@ def test_a_workers_deadline_event_becomes_a_504_with_retry_after() -> None:
     response = error_response(failure_error(Failed(0, 1, ErrorCode.DEADLINE_EXCEEDED, "late")))
     assert response.status_code == 504
     assert response.headers["retry-after"] == "1"
+
+
+async def test_a_worker_learns_whether_its_caller_still_waits(nc: NATS) -> None:
+    """The probe a worker sends to a call's inbox (``ReplyRelay.caller_gone``), answered by a
+    front door's router on real NATS: waiting while the call is open, gone once the caller let
+    it go, and gone with no front door at all (NATS's "no responders")."""
+    router = ReplyRouter(nc)
+    await router.start()
+    stream = router.open("c1")
+    relay = ReplyRelay(nc, stream.inbox, attempt=1, worker_id="w")
+    assert not await relay.caller_gone(timeout_s=PROBE_TIMEOUT_S)
+    router.close("c1")
+    assert await relay.caller_gone(timeout_s=PROBE_TIMEOUT_S)
+    router.open("c1")
+    await router.stop()  # the front door died
+    assert await relay.caller_gone(timeout_s=PROBE_TIMEOUT_S)

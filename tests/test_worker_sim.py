@@ -57,6 +57,11 @@ CANCEL_BOUND_S = 2.0
 QUIET_WINDOW_S = 0.5
 """How long a call is watched after its terminal event, in which nothing may follow it (a
 redelivery after a NAK would come 0.2 s later)."""
+PROBE_INTERVAL_S = 0.2
+"""How often the worker asks whether a call's caller still waits, in the tests that kill one."""
+ORPHAN_BOUND_S = 10.0
+"""For a call whose caller is gone to be ended: probes every 0.2 s, so generous for a loaded
+machine, and still well under the 15 s the test's calls would otherwise run."""
 SAMPLE_INTERVAL_S = 0.01
 """How often a test samples the engine's KV usage: once a step (10 ms on the simulated engine)."""
 
@@ -217,6 +222,29 @@ async def test_credit_whose_expiry_notice_was_lost_is_asked_for_again(harness: H
     following = await harness.send(call("after-the-loss", max_tokens=3))
     await asyncio.wait_for(following.ended.wait(), EVENT_BOUND_S)
     assert isinstance(following.terminal, Done)
+
+
+async def test_a_call_whose_front_door_is_gone_is_ended(harness: Harness) -> None:
+    """A front door killed mid-call sends no cancel: the worker's probe of the call's inbox
+    finds nobody there and ends the call, running or staged, long before its tokens would
+    have run out (1,500 tokens at 10 ms a step: 15 s)."""
+    worker = await harness.start_worker(
+        SimEngineConfig(max_num_seqs=1, step_s=0.01), caller_probe_s=PROBE_INTERVAL_S
+    )
+    await harness.doorbells_open()
+    # Nobody subscribes to these inboxes: the front door that published the calls is gone.
+    for call_id in ("orphan-running", "orphan-staged"):
+        orphan = call(call_id, max_tokens=1500)
+        await harness.publisher.publish(orphan, f"_INBOX.gone.{call_id}", now_ms=orphan.created_ms)
+
+    async def ended() -> tuple[int, int]:
+        return worker.counters.cancelled, worker.heartbeat().num_running
+
+    await poll_until(ended, lambda c: c == (2, 0), timeout_s=ORPHAN_BOUND_S, interval_s=0.05)
+    assert worker.counters.completed == 0
+    # Terminated, not handed back: no other worker will run them for nobody either.
+    info = await harness.js.consumer_info(STREAM_NAME, consumer_name(Tier.STANDARD, MODEL))
+    assert (info.num_ack_pending, info.num_pending) == (0, 0)
 
 
 async def test_calls_complete_with_one_terminal_event(harness: Harness) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import nats.errors
 from nats.aio.client import Client as NATS
 
 from schemas.vocab import ErrorCode, FinishReason
-from schemas.wire import Done, Failed, TokenDelta, Usage, encode
+from schemas.wire import PROBE_GONE, Done, Failed, Header, TokenDelta, Usage, encode
 
 
 class Relay(Protocol):
@@ -24,6 +25,11 @@ class Relay(Protocol):
     ) -> None: ...
 
     async def fail(self, code: ErrorCode, message: str, param: str | None = None) -> None: ...
+
+    async def caller_gone(self, timeout_s: float) -> bool:
+        """Whether nobody waits for this call's answer any more (asked of the caller's front
+        door; not knowing is not gone)."""
+        ...
 
 
 class ReplyRelay:
@@ -62,6 +68,20 @@ class ReplyRelay:
             return
         await self._send(Failed(self._next(), self._attempt, code, message, param))
         self.finished = True
+
+    async def caller_gone(self, timeout_s: float) -> bool:
+        """Asks the caller's inbox. Gone: no subscriber at all (the front door died: NATS
+        answers "no responders" at once), or the front door no longer has the call open. A
+        front door too busy to answer, or a connection being re-established, is not gone."""
+        try:
+            reply = await self._nc.request(
+                self._inbox, b"", timeout=timeout_s, headers={Header.PROBE: "1"}
+            )
+        except nats.errors.NoRespondersError:
+            return True
+        except (nats.errors.Error, TimeoutError):
+            return False
+        return reply.data == PROBE_GONE
 
     def _next(self) -> int:
         seq = self._seq

@@ -19,6 +19,10 @@ class ResultRelay:
         self.tokens_sent = 0
         self.finished = False
 
+    async def caller_gone(self, timeout_s: float) -> bool:
+        """Never: a batch's result is durable, and its batch is what waits for it."""
+        return False
+
     async def token(self, sse: str, tokens: int, queue_wait_ms: int | None = None) -> None:
         # Batch calls are never streamed: the answer is the body given to ``done``.
         self.tokens_sent += tokens

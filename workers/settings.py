@@ -167,6 +167,12 @@ class WorkerSettings(BaseSettings):
     nak_delay_s: float = Field(
         default=1.0, ge=0, description="redelivery delay of a call handed back"
     )
+    caller_probe_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="how often a held call's caller is asked whether it still waits; a call"
+        " whose front door is gone is ended (0: never asked)",
+    )
     engine: EngineSettings = Field(default_factory=EngineSettings)
     headroom: HeadroomSettings = Field(default_factory=HeadroomSettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)

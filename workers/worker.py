@@ -76,6 +76,7 @@ _CANCEL_MEMORY_S = 600.0
 
 class _StopReason:
     CANCELLED = "cancelled"
+    CALLER_GONE = "caller_gone"
     DRAIN = "drain"
 
 
@@ -368,7 +369,7 @@ class Worker:
         except Exception:
             await self.engine.discard(prepared)  # held at the engine's door: let it go
             raise
-        progress = asyncio.create_task(self._keep_in_progress(msg))
+        progress = asyncio.create_task(self._keep_alive(call_id, msg, relay))
         spans.staged(staged.cost, (time.perf_counter() - preparing_since) * 1000)
         self._calls[call_id] = _Call(msg, envelope, prepared, relay, progress, spans)
         self._changed.set()
@@ -495,7 +496,7 @@ class Worker:
             await self._engine_failed(call.msg, call.relay, exc)
 
     async def _stopped(self, call: _Call) -> None:
-        if call.stop_reason == _StopReason.CANCELLED:
+        if call.stop_reason in (_StopReason.CANCELLED, _StopReason.CALLER_GONE):
             self.counters.cancelled += 1
             await call.relay.fail(ErrorCode.CANCELLED, "the call was cancelled by its caller")
             await call.msg.term()
@@ -542,12 +543,31 @@ class Worker:
             # Out of this worker's hands: the server delivers it again after the ack wait.
             log.error("call %s: could not end its message after the fault: %r", call.call_id, again)
 
-    async def _keep_in_progress(self, msg: Msg) -> None:
-        interval = max(self.settings.stream.ack_wait_s / 3, 0.1)
+    async def _keep_alive(self, call_id: str, msg: Msg, relay: Relay) -> None:
+        """While the call is held: keeps its message alive with ``in_progress()``, and asks at
+        once and then every ``caller_probe_s`` whether its caller still waits. A front door
+        that died (SIGKILL, a lost machine) sends no cancel, and its calls would run to their
+        last token for nobody, holding KV and sequences that callers who wait could use."""
+        progress_s = max(self.settings.stream.ack_wait_s / 3, 0.1)
+        probe_s = self.settings.caller_probe_s
+        next_progress = time.monotonic() + progress_s
+        # The first probe at once: a call whose caller died while it was queued is ended before
+        # it starts (the answer comes within a round trip, while the call is staged or has just
+        # started), not after running for a probe interval.
+        next_probe = time.monotonic() if probe_s > 0 else float("inf")
         while True:
-            await asyncio.sleep(interval)
-            with contextlib.suppress(Exception):
-                await msg.in_progress()
+            await asyncio.sleep(max(min(next_progress, next_probe) - time.monotonic(), 0.0))
+            now = time.monotonic()
+            if now >= next_progress:
+                next_progress = now + progress_s
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
+            if now >= next_probe:
+                if await relay.caller_gone(timeout_s=probe_s):
+                    log.info("call %s: its caller is gone, ending it", call_id)
+                    await self._cancel(call_id, _StopReason.CALLER_GONE)
+                    return
+                next_probe = time.monotonic() + probe_s
 
     def _remember_cancel(self, call_id: str) -> None:
         now = time.monotonic()
@@ -562,19 +582,30 @@ class Worker:
     async def _on_cancel(self, msg: Msg) -> None:
         call_id = msg.subject.removeprefix(CANCEL_SUBJECT_PREFIX)
         self._remember_cancel(call_id)
+        await self._cancel(call_id, _StopReason.CANCELLED)
+
+    async def _cancel(self, call_id: str, reason: str) -> None:
+        """Ends a call held here, staged or running, because its caller cancelled it or is
+        gone; nothing for a call not held (yet)."""
         if self._core.unstage(call_id):
             staged = self._calls.pop(call_id)
-            staged.progress.cancel()
+            if staged.progress is not asyncio.current_task():
+                staged.progress.cancel()
             self._spawn(self.engine.discard(staged.prepared))
-            staged.trace.refused("cancelled")
+            staged.trace.refused(reason)
             self.counters.cancelled += 1
             await staged.relay.fail(ErrorCode.CANCELLED, "the call was cancelled by its caller")
             await staged.msg.term()
             self._changed.set()
             return
         running = self._calls.get(call_id) if self._core.is_running(call_id) else None
-        if running is not None and running.stop_reason is None and running.task is not None:
-            running.stop_reason = _StopReason.CANCELLED
+        if (
+            running is not None
+            and running.stop_reason is None
+            and running.task is not None
+            and not running.relay.finished  # answered already: it ends on its own
+        ):
+            running.stop_reason = reason
             running.task.cancel()  # closing the engine's iterator aborts the request
 
     # -- drain ---------------------------------------------------------------------------
