@@ -59,6 +59,7 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.QUEUE_FULL: 503,
     ErrorCode.BROKER_UNAVAILABLE: 503,
     ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.TOO_MANY_WAITING_CALLS: 429,
 }
 
 

@@ -42,7 +42,9 @@ place.
     ├── RetryableError            the same request may succeed later: retry_after (s)
     │   ├── BrokerUnavailable     broker_unavailable: NATS/JetStream cannot be reached
     │   ├── QueueFull             queue_full: the stream refused the call (discard-new)
-    │   └── DeadlineExceeded      deadline_exceeded: not started before its deadline
+    │   ├── DeadlineExceeded      deadline_exceeded: not started before its deadline
+    │   └── TooManyWaitingCalls   too_many_waiting_calls: too many calls already wait for a
+    │                             call slot (of the session, or on this front door): 429
     ├── ServerError               the call failed on kvgate's side, not the caller's (5xx)
     │   ├── WorkerLost            worker_lost: the worker went silent or its reply broke off
     │   ├── EngineError           engine_error: the engine failed; a worker retries the call
@@ -275,6 +277,14 @@ class QueueFull(RetryableError):
 
 class DeadlineExceeded(RetryableError):
     code = ErrorCode.DEADLINE_EXCEEDED
+    retry_after = 1
+
+
+class TooManyWaitingCalls(RetryableError):
+    """Refused before it waited: a call slot frees when one of the session's calls ends, so
+    the same call may well be taken a second later."""
+
+    code = ErrorCode.TOO_MANY_WAITING_CALLS
     retry_after = 1
 
 

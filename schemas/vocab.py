@@ -88,6 +88,8 @@ class ErrorCode(enum.StrEnum):
     NO_WORKERS = "no_workers"
     DRAINING = "draining"
     ADMISSION_UNAVAILABLE = "admission_unavailable"
+    # A call of an admitted session that may not wait for one of its slots (HTTP 429).
+    TOO_MANY_WAITING_CALLS = "too_many_waiting_calls"
     # Serving (HTTP 5xx, or an `error` reply event).
     DEADLINE_EXCEEDED = "deadline_exceeded"
     QUEUE_FULL = "queue_full"

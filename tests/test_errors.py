@@ -37,7 +37,7 @@ from workers.engine import EngineDeadError, EngineRequestError
 GROUPS: dict[type[KvgateError], set[int]] = {
     InvalidRequest: {400, 401, 403, 404, 405, 409, 410, 413, 415},
     Refused: {429, 503},
-    RetryableError: {503, 504},
+    RetryableError: {429, 503, 504},
     ServerError: {500, 502},
     Cancelled: {499},
 }
