@@ -15,17 +15,28 @@ the vocabulary lives only in ``schemas.vocab``. Keys, all under one hash-tagged 
 - ``P:tpm:<tenant>:<m>`` tokens charged in minute ``m`` (TTL 2 min)
 - ``P:idem:<tenant>:<key>`` session id of an idempotent create (TTL 24 h)
 
+One pub/sub channel, ``P:freed``, carries ``call|session <origin> <id>`` when a call slot or a
+whole session of a contended session (one whose calls were ever told ``busy``: the ``contended``
+field of its hash) is freed, so that the calls other front doors hold waiting for a slot wake
+at once instead of polling (``follow_releases``).
+
 A lease lives in ``P:leases``/``P:expiry`` (no TTL: they are removed exactly when the lease
 ends, so totals never drift), while everything else carries a TTL, so nothing outlives its use.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import random
+import uuid
 from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from broker.admission.policy import Holdings
@@ -33,6 +44,7 @@ from broker.admission.state import (
     DEFAULT_RETENTION_MS,
     RELEASE_BUCKET_MS,
     RELEASE_WINDOW_BUCKETS,
+    ReleaseListener,
     ReserveOutcome,
     ReserveRequest,
     SessionRecord,
@@ -42,7 +54,14 @@ from broker.admission.state import (
 from broker.errors import AdmissionUnavailable
 from schemas.vocab import TIERS_BY_PRIORITY, Reason, SessionState, Tier
 
+log = logging.getLogger(__name__)
+
 IDEMPOTENCY_TTL_MS = 24 * 3_600_000
+FEED_HEALTH_S = 5.0
+"""How long the release feed waits on a quiet channel before it pings Redis (redis-py's health
+check). A connection Redis closed is seen at once; the waiting calls poll regardless."""
+FEED_BACKOFF_S = (0.5, 10.0)
+"""The release feed's first and longest wait before it connects again after losing Redis."""
 
 _SCRIPT = (resources.files("broker.admission") / "store.lua").read_text(encoding="utf-8")
 _TIERS = " ".join(tier.value for tier in TIERS_BY_PRIORITY)
@@ -82,6 +101,10 @@ class RedisAdmissionState:
         in degraded mode). The blocking pool queues them instead, bounded by ``timeout_s``."""
         self.prefix = prefix
         self.retention_ms = retention_ms
+        self.origin = uuid.uuid4().hex[:12]
+        """Names this store's releases on the feed, which it does not announce to itself."""
+        self._url = url
+        self._timeout_s = timeout_s
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
@@ -162,7 +185,8 @@ class RedisAdmissionState:
     async def release(
         self, session_id: str, state: SessionState, now_ms: int
     ) -> SessionRecord | None:
-        return _from_fields(await self._call("release", now_ms, session_id, state.value))
+        out = await self._call("release", now_ms, session_id, state.value, self.origin)
+        return _from_fields(out)
 
     async def acquire_call(
         self, session_id: str, call_id: str, call_deadline_ms: int, now_ms: int
@@ -171,7 +195,7 @@ class RedisAdmissionState:
         return SlotStatus(out[0]), _from_fields(out[1:])
 
     async def release_call(self, session_id: str, call_id: str, now_ms: int) -> None:
-        await self._call("release_call", now_ms, session_id, call_id)
+        await self._call("release_call", now_ms, session_id, call_id, self.origin)
 
     async def touch(self, session_id: str, now_ms: int) -> None:
         await self._call("touch", now_ms, session_id)
@@ -181,6 +205,58 @@ class RedisAdmissionState:
 
     async def reserved_tokens(self) -> int:
         return int(await self._call("reserved", 0))
+
+    async def follow_releases(self, listener: ReleaseListener) -> None:
+        """Tell ``listener`` of every call slot and session freed by another store on this
+        prefix (another front door), until cancelled. Losing Redis never ends it: it connects
+        again, backing off, and then tells ``listener`` that releases may have been missed.
+
+        Its connection is its own, outside the pool: a subscribed connection cannot run
+        scripts, and it waits for messages with no ``timeout_s``."""
+        channel = f"{self.prefix}:freed"
+        backoff_s = FEED_BACKOFF_S[0]
+        lost = False
+        while True:
+            client = aioredis.Redis.from_url(
+                self._url,
+                socket_connect_timeout=self._timeout_s,
+                socket_keepalive=True,
+                health_check_interval=FEED_HEALTH_S,
+                decode_responses=True,
+                # redis-py would reconnect and subscribe again by itself, silently: what was
+                # freed meanwhile would go unheard, and nobody told.
+                retry=Retry(NoBackoff(), 0),
+            )
+            feed = client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await feed.subscribe(channel)
+                if lost:
+                    log.info("release feed on Redis subscribed again")
+                lost, backoff_s = False, FEED_BACKOFF_S[0]
+                # Whatever was freed before this subscription was not heard.
+                listener.releases_missed()
+                while True:
+                    message = await feed.get_message(timeout=FEED_HEALTH_S)
+                    if message is not None:
+                        self._announce(listener, message["data"])
+            except (RedisError, OSError) as exc:
+                if not lost:  # once per outage
+                    log.warning("release feed on Redis lost (%s); waiting calls poll", exc)
+                lost = True
+            finally:
+                await feed.aclose()
+                await client.aclose()
+            await asyncio.sleep(backoff_s * random.uniform(0.5, 1.0))
+            backoff_s = min(backoff_s * 2, FEED_BACKOFF_S[1])
+
+    def _announce(self, listener: ReleaseListener, data: str) -> None:
+        kind, origin, session_id = data.split(" ", 2)
+        if origin == self.origin:  # this front door woke its own waiters already
+            return
+        if kind == "session":
+            listener.session_ended(session_id)
+        else:
+            listener.call_ended(session_id)
 
     async def delete_all(self) -> None:
         """Remove every key under the prefix (tests and ``kvgate`` resets)."""

@@ -94,6 +94,18 @@ class SlotStatus(enum.StrEnum):
     NOT_FOUND = "not_found"
 
 
+class ReleaseListener(Protocol):
+    """Who hears of call slots freed by other front doors (``SlotWaiters``)."""
+
+    def call_ended(self, session_id: str) -> None: ...
+
+    def session_ended(self, session_id: str) -> None: ...
+
+    def releases_missed(self) -> None:
+        """Slots may have been freed unheard (the feed was down): check every session."""
+        ...
+
+
 class AdmissionState(Protocol):
     async def holdings(self, tenant: str, now_ms: int) -> Holdings: ...
 
@@ -121,6 +133,12 @@ class AdmissionState(Protocol):
 
     async def sweep(self, now_ms: int) -> int:
         """Release every lease past its expiry; returns how many."""
+        ...
+
+    async def follow_releases(self, listener: ReleaseListener) -> None:
+        """Tell ``listener`` of the call slots and sessions other front doors free, until
+        cancelled; never of this one's own (its caller knows them first). Returns at once
+        where no other front door shares the state."""
         ...
 
     async def reserved_tokens(self) -> int:
@@ -277,6 +295,9 @@ class MemoryAdmissionState:
 
     async def reserved_tokens(self) -> int:
         return sum(self._by_tier.values())
+
+    async def follow_releases(self, listener: ReleaseListener) -> None:
+        return None
 
     async def close(self) -> None:
         return None

@@ -19,6 +19,15 @@ local function arg(i) return ARGV[4 + i] end
 
 local function skey(id) return P .. ':s:' .. id end
 
+-- Tells the other front doors that a call slot ('call') or a whole session ('session') was
+-- freed, for the calls they hold waiting for one; only for a session whose calls were ever
+-- told 'busy' (its 'contended' field), so that uncontended sessions cost no message.
+local function announce(kind, id, origin)
+  if redis.call('HGET', skey(id), 'contended') then
+    redis.call('PUBLISH', P .. ':freed', kind .. ' ' .. origin .. ' ' .. id)
+  end
+end
+
 local function end_lease(id, state)
   local lease = redis.call('HGET', P .. ':leases', id)
   if not lease then return 0 end
@@ -121,7 +130,7 @@ elseif op == 'reserve' then
 elseif op == 'get' then
   return redis.call('HGETALL', skey(arg(1)))
 elseif op == 'release' then
-  end_lease(arg(1), arg(2))
+  if end_lease(arg(1), arg(2)) == 1 then announce('session', arg(1), arg(3)) end
   return redis.call('HGETALL', skey(arg(1)))
 elseif op == 'acquire' then
   -- Answers the status followed by the session's fields, so the caller needs no second call.
@@ -137,7 +146,10 @@ elseif op == 'acquire' then
   if f[1] ~= 'active' then return answer(f[1]) end
   local slots = P .. ':slots:' .. id
   redis.call('ZREMRANGEBYSCORE', slots, '-inf', now)
-  if redis.call('ZCARD', slots) >= tonumber(f[2]) then return answer('busy') end
+  if redis.call('ZCARD', slots) >= tonumber(f[2]) then
+    redis.call('HSET', k, 'contended', '1')
+    return answer('busy')
+  end
   redis.call('ZADD', slots, call_deadline, call_id)
   local deadline = tonumber(f[3])
   redis.call('PEXPIRE', slots, deadline - now + 60000)
@@ -149,7 +161,7 @@ elseif op == 'acquire' then
 elseif op == 'release_call' then
   local id, call_id = arg(1), arg(2)
   local slots = P .. ':slots:' .. id
-  redis.call('ZREM', slots, call_id)
+  if redis.call('ZREM', slots, call_id) == 1 then announce('call', id, arg(3)) end
   if not redis.call('HGET', P .. ':leases', id) then return 0 end
   local k = skey(id)
   local f = redis.call('HMGET', k, 'deadline_ms', 'idle_timeout_ms')
