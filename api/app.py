@@ -88,6 +88,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             batch_engine = make_engine(settings.database_url)
             publisher = CallPublisher(js)
             runner = BatchRunner(settings, batch_engine, admitter, publisher, nc, js)
+            leases = SessionLeases(admitter)
+            leases.start()
             if settings.batch_runner:
                 runner.start()
             app.state.front_door = FrontDoor(
@@ -107,7 +109,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 signals=signals,
                 metrics=metrics,
                 admitter=admitter,
-                leases=SessionLeases(admitter),
+                leases=leases,
                 batch_engine=batch_engine,
                 batch_runner=runner,
                 started_s=int(time.time()),
@@ -124,6 +126,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             gc.freeze()
             yield
             await runner.stop()
+            await leases.stop()
             batch_engine.dispose()
             await admitter.stop()
             await state.close()

@@ -129,6 +129,13 @@ class ApiSettings(BaseSettings):
     degraded_tiers: list[Tier] = Field(default_factory=lambda: [Tier.GUARANTEED])
     degraded_share: float = Field(default=0.5, gt=0, le=1)
     session_max_parallel: int = Field(default=256, ge=1)
+    # Calls beyond a session's `max_parallel` wait on the front door for one of its slots; at
+    # most this many per session on one front door (an agent's fan-out of 10-50 calls sent at
+    # once, with room), and `max_waiting_calls` of all sessions together. A call over either
+    # is refused at once, 429 `too_many_waiting_calls` with Retry-After, rather than held:
+    # each waiting call holds a connection and a task. 0: no call waits.
+    session_max_waiting_calls: int = Field(default=64, ge=0)
+    max_waiting_calls: int = Field(default=2_000, ge=0)
     session_default_idle_timeout_s: float = Field(default=60.0, gt=0)
     session_default_prompt_tokens: int = Field(default=512, ge=1)
     session_default_output_tokens: int = Field(default=256, ge=1)

@@ -324,6 +324,38 @@ async def test_calls_beyond_max_parallel_wait_for_their_own_session(door: Door) 
     assert record["calls_started"] == 6
 
 
+LONG_CALL_TOKENS = 600
+"""2.4 s of decoding at 4 ms a step: long enough for every call of a burst to arrive while the
+first still runs, on a loaded machine."""
+
+
+async def test_calls_beyond_the_waiting_bound_get_429_at_once(
+    nats_server: EmbeddedNats, tmp_path: Path, tenants_file: Path
+) -> None:
+    env = {"KVGATE_SESSION_MAX_WAITING_CALLS": "1"}
+    async with (
+        open_door(nats_server.url, tmp_path, tenants_file, **env) as door,
+        door.client() as client,
+    ):
+        sid = (await client.post("/v1/sessions", json=session_body(max_parallel=1))).json()["id"]
+        calls = await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/chat/completions",
+                    json=chat(LONG_CALL_TOKENS),
+                    headers={"X-Kvgate-Session": sid},
+                )
+                for _ in range(4)
+            )
+        )
+    # One runs, one waits for its slot, and the other two are refused without waiting.
+    assert sorted(c.status_code for c in calls) == [200, 200, 429, 429]
+    for refused in (c for c in calls if c.status_code == 429):
+        error = refused.json()["error"]
+        assert (error["code"], error["type"]) == ("too_many_waiting_calls", "rate_limit_error")
+        assert refused.json()["retry_after"] == int(refused.headers["retry-after"]) == 1
+
+
 IDLE_TIMEOUT_S = 0.5
 IDLE_OUT_S = 1.2
 """Left idle this long, past its idle timeout: the idling out is the behaviour under test."""

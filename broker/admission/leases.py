@@ -4,18 +4,24 @@ A session's lease lives in the admission state that admitted it (``Admitter.stor
 shared store, or this replica's fallback for sessions admitted while the shared store was
 unreachable). Every release wakes the sessions held for room on this replica
 (``Admitter.room_freed``); a session its client closes teaches the admitter its pace.
+
+Calls beyond a session's ``max_parallel`` wait in ``SlotWaiters`` (bounded, woken one per freed
+slot): by this replica when one of its calls ends, by the shared state's release feed
+(``start``) when a call ends on another.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 
 from broker.admission.admitter import Admitter
 from broker.admission.state import SessionRecord, SlotStatus
 from broker.admission.tenants import Tenant
+from broker.admission.waiters import SlotWaiters
 from broker.errors import (
     AdmissionUnavailable,
     DeadlineExceeded,
@@ -25,15 +31,33 @@ from broker.errors import (
 )
 from schemas.vocab import SessionState
 
-SLOT_POLL_S = 0.05
-"""How often a call waiting for one of its session's slots asks again with no release seen here
-(a call that ended on another replica is seen this late)."""
+log = logging.getLogger(__name__)
 
 
 class SessionLeases:
     def __init__(self, admitter: Admitter) -> None:
         self.admitter = admitter
-        self._slot_freed: dict[str, asyncio.Event] = {}
+        settings = admitter.settings
+        self.waiters = SlotWaiters(settings.session_max_waiting_calls, settings.max_waiting_calls)
+        self._feed: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Follow the shared state's release feed, so that a call ending on another replica
+        wakes a call waiting here at once."""
+        self._feed = asyncio.create_task(self._follow_releases())
+
+    async def stop(self) -> None:
+        if self._feed is not None:
+            self._feed.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._feed
+
+    async def _follow_releases(self) -> None:
+        try:
+            await self.admitter.state.follow_releases(self.waiters)
+        except Exception:
+            # Not expected (the feed outlives Redis itself); waiting calls still poll.
+            log.exception("the release feed stopped; calls waiting for a slot poll")
 
     async def get(self, tenant: Tenant, session_id: str) -> SessionRecord:
         """The tenant's session; ``session_not_found`` for anyone else's (never 403: that
@@ -52,7 +76,7 @@ class SessionLeases:
         if record is None:  # its retention ran out between the two reads
             raise SessionNotFound(f"no session {session_id!r}", param="session")
         self.admitter.learn_pace(before, now_ms)
-        self._wake(session_id)
+        self.waiters.session_ended(session_id)
         self.admitter.room_freed(session_id)
         return record
 
@@ -62,41 +86,46 @@ class SessionLeases:
     ) -> AsyncIterator[SessionRecord]:
         """Hold one of the session's ``max_parallel`` call slots. A call beyond them waits for
         one of its own session's calls to end, up to its deadline; it never takes anyone
-        else's capacity."""
+        else's capacity. One beyond the waiting bounds (``SlotWaiters``) is refused at once,
+        ``too_many_waiting_calls``."""
         store = self.admitter.store_for(record.id)
-        while True:
-            now_ms = int(time.time() * 1000)
-            status, current = await store.acquire_call(record.id, call_id, call_deadline_ms, now_ms)
-            if status is SlotStatus.ACQUIRED:
-                break
-            if status is SlotStatus.CLOSED:
-                raise SessionClosed(f"session {record.id} is closed")
-            if status is SlotStatus.EXPIRED:
-                raise SessionExpired(f"session {record.id} has expired")
-            if status is SlotStatus.NOT_FOUND:
-                raise SessionNotFound(f"no session {record.id!r}")
-            left_s = call_deadline_ms / 1000 - time.time()
-            if left_s <= 0:
-                raise DeadlineExceeded(
-                    f"the session's {record.max_parallel} call slots stayed busy until the "
-                    "call's deadline"
+        waiter = self.waiters.join(record.id)
+        try:
+            while True:
+                waiter.woken.clear()  # a wake from here on is for the answer below
+                now_ms = int(time.time() * 1000)
+                status, current = await store.acquire_call(
+                    record.id, call_id, call_deadline_ms, now_ms
                 )
-            event = self._slot_freed.setdefault(record.id, asyncio.Event())
-            # Woken at once by a call ending on this replica; a call ending on another replica
-            # is seen at the next poll.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), min(SLOT_POLL_S, left_s))
+                if status is SlotStatus.ACQUIRED:
+                    break
+                if status is SlotStatus.CLOSED:
+                    raise SessionClosed(f"session {record.id} is closed")
+                if status is SlotStatus.EXPIRED:
+                    raise SessionExpired(f"session {record.id} has expired")
+                if status is SlotStatus.NOT_FOUND:
+                    raise SessionNotFound(f"no session {record.id!r}")
+                left_s = call_deadline_ms / 1000 - time.time()
+                if left_s <= 0:
+                    raise DeadlineExceeded(
+                        f"the session's {record.max_parallel} call slots stayed busy until "
+                        "the call's deadline"
+                    )
+                if waiter.woken.is_set():  # a slot was freed while it asked
+                    continue
+                self.waiters.wait(waiter)
+                poll_s = self.waiters.timeout_s(waiter)
+                wait_s = left_s if poll_s is None else min(poll_s, left_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter.woken.wait(), wait_s)
+        finally:
+            self.waiters.leave(waiter)
         try:
             yield current or record
         finally:
             with contextlib.suppress(AdmissionUnavailable):
                 await store.release_call(record.id, call_id, int(time.time() * 1000))
-            self._wake(record.id)
-
-    def _wake(self, session_id: str) -> None:
-        event = self._slot_freed.pop(session_id, None)
-        if event is not None:
-            event.set()
+            self.waiters.call_ended(record.id)
 
     async def end_one_call_session(self, record: SessionRecord) -> None:
         """Release a plain call's one-call session once its call has ended."""
