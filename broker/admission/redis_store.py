@@ -27,6 +27,7 @@ ends, so totals never drift), while everything else carries a TTL, so nothing ou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -241,11 +242,18 @@ class RedisAdmissionState:
                         self._announce(listener, message["data"])
             except (RedisError, OSError) as exc:
                 if not lost:  # once per outage
-                    log.warning("release feed on Redis lost (%s); waiting calls poll", exc)
+                    log.warning(
+                        "release feed cannot reach Redis (%s); calls waiting for a slot poll "
+                        "until it can",
+                        exc,
+                    )
                 lost = True
             finally:
-                await feed.aclose()
-                await client.aclose()
+                # Closing a broken connection may fail too: nothing is left to close then.
+                with contextlib.suppress(RedisError, OSError):
+                    await feed.aclose()
+                with contextlib.suppress(RedisError, OSError):
+                    await client.aclose()
             await asyncio.sleep(backoff_s * random.uniform(0.5, 1.0))
             backoff_s = min(backoff_s * 2, FEED_BACKOFF_S[1])
 
