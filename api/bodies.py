@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 
 from broker.errors import BodyTooLarge, InvalidJson, InvalidParameter, InvalidRequest
+from schemas.openai import INT64_MAX, INT64_MIN
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 MAX_IDEMPOTENCY_KEY = 255
@@ -40,9 +41,8 @@ def _too_large(limit: int) -> InvalidRequest:
     return BodyTooLarge(f"request body exceeds {limit} bytes")
 
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-"""The integers a request may carry: vLLM reads every integer field (a seed, token ids) as a
-64-bit one, and no field of OpenAI's or Anthropic's APIs needs more."""
+# The integers a request may carry (``INT64_MIN``..``INT64_MAX``): vLLM reads every integer field
+# (a seed, token ids) as a 64-bit one, and no field of OpenAI's or Anthropic's APIs needs more.
 
 
 class IntegerOutOfRange(ValueError):

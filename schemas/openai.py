@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-"""The range of ``seed`` as vLLM reads it (a signed 64-bit integer)."""
+"""The range of ``seed`` as vLLM reads it (a signed 64-bit integer), and of every integer a
+request body may carry (``api.bodies``)."""
 
 
 class ChatMessageIn(BaseModel):
