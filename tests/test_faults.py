@@ -243,9 +243,9 @@ async def test_a_killed_front_door_leaves_no_call_running_for_nobody(
     faults: FaultStack, fleet: FleetSampler
 ) -> None:
     """A front door SIGKILLed mid-stream sends no cancel. The workers ask each call's inbox
-    whether its caller still waits (at once, then every 2 s) and end the calls nobody waits
-    for: most never run to their last token, none stays held or queued, and the other front
-    door serves on."""
+    whether its caller still waits (every 2 s from when it was sent) and end the calls nobody
+    waits for: most never run to their last token, none stays held or queued, and the other
+    front door serves on."""
     # Admits every call at once (they queue in JetStream), as a busy front door would have.
     doomed, doomed_url = start_api(
         faults.nats.url,

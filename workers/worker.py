@@ -25,6 +25,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -369,7 +370,7 @@ class Worker:
         except Exception:
             await self.engine.discard(prepared)  # held at the engine's door: let it go
             raise
-        progress = asyncio.create_task(self._keep_alive(call_id, msg, relay))
+        progress = asyncio.create_task(self._keep_alive(call_id, msg, relay, envelope.created_ms))
         spans.staged(staged.cost, (time.perf_counter() - preparing_since) * 1000)
         self._calls[call_id] = _Call(msg, envelope, prepared, relay, progress, spans)
         self._changed.set()
@@ -543,18 +544,21 @@ class Worker:
             # Out of this worker's hands: the server delivers it again after the ack wait.
             log.error("call %s: could not end its message after the fault: %r", call.call_id, again)
 
-    async def _keep_alive(self, call_id: str, msg: Msg, relay: Relay) -> None:
-        """While the call is held: keeps its message alive with ``in_progress()``, and asks at
-        once and then every ``caller_probe_s`` whether its caller still waits. A front door
-        that died (SIGKILL, a lost machine) sends no cancel, and its calls would run to their
-        last token for nobody, holding KV and sequences that callers who wait could use."""
+    async def _keep_alive(self, call_id: str, msg: Msg, relay: Relay, created_ms: int) -> None:
+        """While the call is held: keeps its message alive with ``in_progress()``, and asks
+        every ``caller_probe_s``, counted from when its caller sent it (when it was last known
+        to wait), whether its caller still waits. A front door that died (SIGKILL, a lost
+        machine) sends no cancel, and its calls would run to their last token for nobody,
+        holding KV and sequences that callers who wait could use."""
         progress_s = max(self.settings.stream.ack_wait_s / 3, 0.1)
         probe_s = self.settings.caller_probe_s
         next_progress = time.monotonic() + progress_s
-        # The first probe at once: a call whose caller died while it was queued is ended before
-        # it starts (the answer comes within a round trip, while the call is staged or has just
-        # started), not after running for a probe interval.
-        next_probe = time.monotonic() if probe_s > 0 else float("inf")
+        # A call that waited in the queue longer than the interval is asked at once, and ended
+        # before it starts if nobody waits; a fresh one is not asked while it gets its first
+        # token: the front door answers on the loop that relays tokens, and asking every call
+        # at once measured 0.6-2.6 ms more added TTFT than not asking (bench_ttft, 3 pairs).
+        waited_s = max(time.time() - created_ms / 1000, 0.0)
+        next_probe = time.monotonic() + max(probe_s - waited_s, 0.0) if probe_s > 0 else math.inf
         while True:
             await asyncio.sleep(max(min(next_progress, next_probe) - time.monotonic(), 0.0))
             now = time.monotonic()
