@@ -39,6 +39,7 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.BATCH_NOT_FOUND: 404,
     ErrorCode.SESSION_CLOSED: 409,
     ErrorCode.SESSION_EXPIRED: 410,
+    ErrorCode.CALL_EXCEEDS_SESSION: 400,
     ErrorCode.TENANT_QUOTA: 429,
     ErrorCode.TIER_CAPACITY: 503,
     ErrorCode.FLEET_SATURATED: 503,

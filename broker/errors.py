@@ -27,7 +27,9 @@ place.
     │   ├── SessionNotFound       session_not_found
     │   ├── BatchNotFound         batch_not_found
     │   ├── SessionClosed         session_closed
-    │   └── SessionExpired        session_expired
+    │   ├── SessionExpired        session_expired
+    │   └── CallExceedsSession    call_exceeds_session: one call weighs more than its session
+    │                             may hold in flight (its declaration times the overrun)
     ├── Refused                   admission said no: decision, and retry_after where waiting
     │   │                         helps (None where it cannot); one class per refusal Reason
     │   ├── TenantQuota           tenant_quota
@@ -190,6 +192,13 @@ class SessionClosed(InvalidRequest):
 
 class SessionExpired(InvalidRequest):
     code = ErrorCode.SESSION_EXPIRED
+
+
+class CallExceedsSession(InvalidRequest):
+    """Waiting cannot help: the call alone is more than its session may ever hold in flight.
+    The caller sends a smaller call, or opens a session that declares calls of this size."""
+
+    code = ErrorCode.CALL_EXCEEDS_SESSION
 
 
 # -- admission said no -----------------------------------------------------------------------

@@ -137,6 +137,12 @@ class ApiSettings(BaseSettings):
     session_max_waiting_calls: int = Field(default=64, ge=0)
     max_waiting_calls: int = Field(default=2_000, ge=0)
     session_default_idle_timeout_s: float = Field(default=60.0, gt=0)
+    # A session's calls in flight may weigh at most this many times its reservation (each call:
+    # its prompt plus its output at the session's estimate; broker/admission/state.CallCharge).
+    # Above 1 because declarations are means: a late turn's prompt is longer than the mean.
+    # A call beyond it waits for one of the session's calls to end; one that alone is beyond
+    # it is refused, 400 `call_exceeds_session`.
+    session_overrun: float = Field(default=2.0, ge=1)
     session_default_prompt_tokens: int = Field(default=512, ge=1)
     session_default_output_tokens: int = Field(default=256, ge=1)
     # Batches: how often the runner looks for work to start, and how long a front door may be

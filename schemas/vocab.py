@@ -79,6 +79,7 @@ class ErrorCode(enum.StrEnum):
     BATCH_NOT_FOUND = "batch_not_found"
     SESSION_CLOSED = "session_closed"
     SESSION_EXPIRED = "session_expired"
+    CALL_EXCEEDS_SESSION = "call_exceeds_session"
     # Admission refusals (HTTP 429/503): the values of ``Reason`` other than ``admitted``.
     TENANT_QUOTA = "tenant_quota"
     TIER_CAPACITY = "tier_capacity"

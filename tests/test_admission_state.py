@@ -13,6 +13,7 @@ import pytest
 from broker.admission.redis_store import RedisAdmissionState
 from broker.admission.state import (
     AdmissionState,
+    CallCharge,
     MemoryAdmissionState,
     ReserveRequest,
     SessionRecord,
@@ -26,6 +27,8 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 T0 = 1_800_000_000_000  # a fixed clock, ms: every operation takes `now` explicitly
 LIMITS = (10_000, 8_000, 5_000)
 TENANT = TenantLimits(max_sessions=10, max_parallel_calls=100, tokens_per_minute=1_000_000)
+LIGHT = CallCharge(tokens=1, in_flight_limit=1_000_000, tokens_per_minute=1_000_000)
+"""A call that weighs nothing that matters: for the tests of other things than its charge."""
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -130,6 +133,20 @@ async def test_reserve_enforces_the_fleet_total_and_the_nested_tier_groups(
     assert await store.reserved_tokens() == 10_000
 
 
+async def test_reserve_enforces_the_tenants_reserved_tokens(store: AdmissionState) -> None:
+    quota = replace(TENANT, max_reserved_tokens=2_500)
+    assert (await store.reserve(request(session("a", tokens=1_500), tenant=quota), T0)).admitted
+    over = await store.reserve(request(session("b", tokens=1_001), tenant=quota), T0)
+    assert over.reason is Reason.TENANT_QUOTA
+    # Another tenant has its own.
+    other = session("c", tokens=1_500, tenant="globex")
+    assert (await store.reserve(request(other, tenant=quota), T0)).admitted
+    assert (await store.reserve(request(session("d", tokens=1_000), tenant=quota), T0)).admitted
+    # Released tokens are the tenant's again, whether closed or expired.
+    await store.release("a", SessionState.CLOSED, T0 + 1)
+    assert (await store.reserve(request(session("e", tokens=1_500), tenant=quota), T0)).admitted
+
+
 async def test_reserve_enforces_tenant_quotas(store: AdmissionState) -> None:
     quota = TenantLimits(max_sessions=2, max_parallel_calls=5, tokens_per_minute=250)
     assert (await store.reserve(request(session("a"), tenant=quota), T0)).admitted
@@ -176,7 +193,7 @@ async def test_a_lease_expires_after_its_idle_timeout_and_at_its_deadline(
     idle = await store.get("idle", T0 + 10_000)  # any operation sweeps
     assert idle is not None and idle.state is SessionState.EXPIRED
     assert await store.reserved_tokens() == 0
-    status, _ = await store.acquire_call("idle", "c1", T0 + 20_000, T0 + 10_001)
+    status, _ = await store.acquire_call("idle", "c1", T0 + 20_000, T0 + 10_001, LIGHT)
     assert status is SlotStatus.EXPIRED
 
 
@@ -184,7 +201,7 @@ async def test_a_call_in_flight_keeps_the_session_alive_until_it_ends(
     store: AdmissionState,
 ) -> None:
     await store.reserve(request(session("s", idle_s=10, deadline_s=300)), T0)
-    status, record = await store.acquire_call("s", "c1", T0 + 60_000, T0 + 1_000)
+    status, record = await store.acquire_call("s", "c1", T0 + 60_000, T0 + 1_000, LIGHT)
     assert status is SlotStatus.ACQUIRED and record is not None
     assert record.calls_started == 1 and record.expires_ms == T0 + 60_000
     assert await store.sweep(T0 + 30_000) == 0  # idle timeout passed, but a call runs
@@ -196,26 +213,86 @@ async def test_a_call_in_flight_keeps_the_session_alive_until_it_ends(
 
 async def test_calls_beyond_max_parallel_are_busy_until_one_ends(store: AdmissionState) -> None:
     await store.reserve(request(session("s", parallel=2)), T0)
-    results = [await store.acquire_call("s", f"c{i}", T0 + 20_000, T0) for i in range(3)]
+    results = [await store.acquire_call("s", f"c{i}", T0 + 20_000, T0, LIGHT) for i in range(3)]
     assert [status for status, _ in results] == [
         SlotStatus.ACQUIRED,
         SlotStatus.ACQUIRED,
         SlotStatus.BUSY,
     ]
     await store.release_call("s", "c0", T0 + 10)
-    status, _ = await store.acquire_call("s", "c2", T0 + 20_000, T0 + 11)
+    status, _ = await store.acquire_call("s", "c2", T0 + 20_000, T0 + 11, LIGHT)
     assert status is SlotStatus.ACQUIRED
-    assert (await store.acquire_call("s", "c3", T0 + 80_000, T0 + 12))[0] is SlotStatus.BUSY
+    assert (await store.acquire_call("s", "c3", T0 + 80_000, T0 + 12, LIGHT))[0] is SlotStatus.BUSY
     # Slots whose calls outlived their own deadlines (their front door died) free themselves.
-    status, _ = await store.acquire_call("s", "c3", T0 + 80_000, T0 + 20_001)
+    status, _ = await store.acquire_call("s", "c3", T0 + 80_000, T0 + 20_001, LIGHT)
     assert status is SlotStatus.ACQUIRED
+
+
+async def test_calls_in_flight_may_not_weigh_more_than_their_limit_together(
+    store: AdmissionState,
+) -> None:
+    await store.reserve(request(session("s", parallel=4)), T0)
+
+    def charge(tokens: int) -> CallCharge:
+        return CallCharge(tokens=tokens, in_flight_limit=2_000, tokens_per_minute=1_000_000)
+
+    assert (await store.acquire_call("s", "c1", T0 + 20_000, T0, charge(1_500)))[0] is (
+        SlotStatus.ACQUIRED
+    )
+    # A slot is free (4 declared), but the weight is not.
+    assert (await store.acquire_call("s", "c2", T0 + 20_000, T0 + 1, charge(600)))[0] is (
+        SlotStatus.BUSY
+    )
+    assert (await store.acquire_call("s", "c2", T0 + 20_000, T0 + 2, charge(500)))[0] is (
+        SlotStatus.ACQUIRED
+    )
+    await store.release_call("s", "c1", T0 + 3)
+    status, record = await store.acquire_call("s", "c3", T0 + 20_000, T0 + 4, charge(1_500))
+    assert status is SlotStatus.ACQUIRED and record is not None
+    assert record.tokens_used == 3_500
+    # A call that outlived its deadline (its front door died) no longer weighs anything.
+    status, _ = await store.acquire_call("s", "c4", T0 + 90_000, T0 + 20_001, charge(2_000))
+    assert status is SlotStatus.ACQUIRED
+
+
+async def test_use_past_the_declaration_is_charged_to_the_tenants_tokens_per_minute(
+    store: AdmissionState,
+) -> None:
+    # Declared: 4 calls of 500 tokens (2,000), charged 100 at admission in this minute.
+    record = session("s", tokens=1_000, parallel=2, idle_s=120)
+    assert record.declared_tokens == 2_000
+    await store.reserve(request(record, charged=100), T0)
+
+    def charge(tokens: int) -> CallCharge:
+        return CallCharge(tokens=tokens, in_flight_limit=10_000, tokens_per_minute=1_000)
+
+    async def call(call_id: str, tokens: int, now: int) -> SlotStatus:
+        status, _ = await store.acquire_call("s", call_id, now + 20_000, now, charge(tokens))
+        if status is SlotStatus.ACQUIRED:
+            await store.release_call("s", call_id, now)
+        return status
+
+    assert await call("within", 1_900, T0) is SlotStatus.ACQUIRED
+    assert (await store.holdings("acme", T0)).tenant_tokens_this_minute == 100
+    assert await call("past", 800, T0 + 1) is SlotStatus.ACQUIRED  # 700 past the declaration
+    assert (await store.holdings("acme", T0 + 1)).tenant_tokens_this_minute == 800
+    # 200 would be left in the minute: a call of 300 past the declaration does not fit, and
+    # takes no slot and no tokens.
+    assert await call("over", 300, T0 + 2) is SlotStatus.OVER_QUOTA
+    after = await store.get("s", T0 + 3)
+    assert after is not None and after.tokens_used == 2_700 and after.calls_started == 2
+    assert await call("small", 200, T0 + 3) is SlotStatus.ACQUIRED
+    # A new minute has room again.
+    assert await call("later", 300, T0 + 60_000) is SlotStatus.ACQUIRED
 
 
 async def test_closed_and_unknown_sessions_refuse_calls(store: AdmissionState) -> None:
     await store.reserve(request(session("s")), T0)
     await store.release("s", SessionState.CLOSED, T0 + 1)
-    assert (await store.acquire_call("s", "c", T0 + 9_000, T0 + 2))[0] is SlotStatus.CLOSED
-    assert (await store.acquire_call("nope", "c", T0 + 9_000, T0 + 2))[0] is SlotStatus.NOT_FOUND
+    assert (await store.acquire_call("s", "c", T0 + 9_000, T0 + 2, LIGHT))[0] is SlotStatus.CLOSED
+    assert (await store.acquire_call("nope", "c", T0 + 9_000, T0 + 2, LIGHT))[
+        0
+    ] is SlotStatus.NOT_FOUND
     assert await store.get("nope", T0) is None
     assert await store.release("nope", SessionState.CLOSED, T0) is None
 

@@ -23,7 +23,7 @@ from broker.admission.leases import SessionLeases
 from broker.admission.metrics import AdmissionMetrics
 from broker.admission.redis_store import RedisAdmissionState
 from broker.admission.signals import FleetSignals
-from broker.admission.state import ReserveRequest, SessionRecord, TenantLimits
+from broker.admission.state import CallCharge, ReserveRequest, SessionRecord, TenantLimits
 from broker.admission.tenants import Tenant, load_tenancy
 from broker.errors import SessionClosed
 from broker.fleet import FleetView
@@ -31,6 +31,8 @@ from broker.procs import Proc, free_port
 from broker.settings import ApiSettings
 from schemas.vocab import Reason, SessionState, Tier
 from tests.polling import poll_until
+
+LIGHT = CallCharge(tokens=1, in_flight_limit=1_000_000, tokens_per_minute=1_000_000)
 
 SESSIONS = 4
 CALLS_PER_SESSION = 10
@@ -164,7 +166,7 @@ async def slot_held(door: FrontDoor, record: SessionRecord) -> AsyncIterator[Non
     holding = asyncio.Event()
 
     async def call() -> None:
-        async with door.leases.call_slot(record, f"held-{uuid.uuid4().hex}", deadline_ms()):
+        async with door.leases.call_slot(record, f"held-{uuid.uuid4().hex}", deadline_ms(), LIGHT):
             holding.set()
             await ended.wait()
 
@@ -203,7 +205,7 @@ async def test_waiting_calls_barely_touch_redis_and_wake_when_another_door_frees
 
         async def wait_for_slot(record: SessionRecord, i: int) -> None:
             nonlocal peak, got_slot
-            async with a.leases.call_slot(record, f"call-{i}", deadline_ms()):
+            async with a.leases.call_slot(record, f"call-{i}", deadline_ms(), LIGHT):
                 in_slot[record.id] = in_slot.get(record.id, 0) + 1
                 peak = max(peak, in_slot[record.id])
                 await asyncio.sleep(0)  # the call "runs": another would overlap it here
@@ -286,5 +288,5 @@ async def woken_by_the_other(a: FrontDoor, b: FrontDoor) -> None:
 
 
 async def _take_slot(door: FrontDoor, record: SessionRecord) -> None:
-    async with door.leases.call_slot(record, f"call-{uuid.uuid4().hex}", deadline_ms()):
+    async with door.leases.call_slot(record, f"call-{uuid.uuid4().hex}", deadline_ms(), LIGHT):
         pass

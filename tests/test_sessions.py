@@ -27,7 +27,7 @@ from tests.tenants import tenant, write_tenants_file
 from workers.sim_engine import SimEngine, SimEngineConfig
 
 MODEL = "kvgate-sim"
-ACME, SMALL, CHEAP, STRICT = "acme-key", "small-key", "cheap-key", "strict-key"
+ACME, SMALL, CHEAP, STRICT, TIGHT = "acme-key", "small-key", "cheap-key", "strict-key", "tight"
 KV_TOKENS = 4096
 
 SETTLE_BOUND_S = 10.0
@@ -62,6 +62,7 @@ def tenants_file(tmp_path: Path) -> Path:
         tenant("cheap", CHEAP, max_tier="besteffort"),
         # Asks for a first token within 10 microseconds: every one of its calls misses.
         tenant("strict", STRICT, objectives={"standard": {"ttft_ms": 0.01}}),
+        tenant("tight", TIGHT, tokens_per_minute=TIGHT_TOKENS_PER_MINUTE),
         tiers={
             "standard": {"share": 0.8, "ttft_ms": 2000, "tpot_ms": 100, "default_deadline_s": 60}
         },
@@ -111,6 +112,10 @@ async def fixed_door(
 
 def chat(max_tokens: int = 20) -> dict[str, Any]:
     return chat_body("plan the refactor", max_tokens, model=MODEL)
+
+
+TIGHT_TOKENS_PER_MINUTE = 400
+"""Room for a session declared at 100 tokens and a few hundred tokens of calls past it."""
 
 
 def session_body(**extra: Any) -> dict[str, Any]:
@@ -390,6 +395,55 @@ async def test_a_tenant_over_its_quota_gets_429_with_retry_after(door: Door) -> 
     )
     assert 1 <= body["retry_after"] == int(second.headers["retry-after"]) <= 60
     assert third.status_code == 201  # closing released the quota at once
+
+
+async def test_a_call_larger_than_its_session_may_hold_is_refused_by_name(door: Door) -> None:
+    async with door.client() as client:
+        # Declared: one call at a time of 20 + 10 tokens; with the default overrun of 2 a call
+        # of its session may weigh 60.
+        body = session_body(max_parallel=1, est_prompt_tokens=20, est_output_tokens=10)
+        sid = (await client.post("/v1/sessions", json=body)).json()["id"]
+        headers = {"X-Kvgate-Session": sid}
+        small = await client.post("/v1/chat/completions", json=chat(10), headers=headers)
+        large = await client.post(
+            "/v1/chat/completions",
+            json=chat_body("plan the refactor " * 100, 10, model=MODEL),
+            headers=headers,
+        )
+        record = (await client.get(f"/v1/sessions/{sid}")).json()
+    assert small.status_code == 200, small.text
+    assert large.status_code == 400, large.text
+    error = large.json()["error"]
+    assert (error["code"], error["type"]) == ("call_exceeds_session", "invalid_request_error")
+    assert "est_prompt_tokens" in error["message"]
+    assert record["calls_started"] == 1  # the refused call took no slot
+
+
+async def test_calls_past_the_declaration_are_charged_to_the_tenants_tokens_per_minute(
+    door: Door,
+) -> None:
+    """A session declared small cannot be a way around its tenant's tokens per minute: what
+    its calls use past the declaration is charged there, and refused once it is spent."""
+    async with door.client(TIGHT) as client:
+        body = session_body(
+            max_parallel=1, expected_calls=1, est_prompt_tokens=90, est_output_tokens=10
+        )
+        created = await client.post("/v1/sessions", json=body)
+        assert created.status_code == 201, created.text
+        headers = {"X-Kvgate-Session": created.json()["id"]}
+        answers = []
+        for _ in range(60):  # each call weighs 40-100 tokens: the minute's 400 run out well
+            # before, even if a new minute starts on the way
+            call = await client.post("/v1/chat/completions", json=chat(10), headers=headers)
+            answers.append(call)
+            if call.status_code != 200:
+                break
+    refused = answers[-1]
+    assert refused.status_code == 429, refused.text
+    assert all(a.status_code == 200 for a in answers[:-1]) and len(answers) > 2
+    error = refused.json()
+    assert (error["error"]["code"], error["decision"]) == ("tenant_quota", "reject")
+    assert 1 <= error["retry_after"] == int(refused.headers["retry-after"]) <= 60
 
 
 async def test_a_session_the_fleet_cannot_hold_now_is_deferred_with_an_honest_retry_after(

@@ -41,7 +41,7 @@ from api.openapi import Responses, codes_below, error_responses, json_body
 from api.replies import ReplyEvent
 from broker.admission import needs
 from broker.admission.objectives import Objective
-from broker.admission.state import SessionRecord
+from broker.admission.state import CallCharge, SessionRecord
 from broker.admission.tenants import Tenant
 from broker.errors import (
     Cancelled,
@@ -194,8 +194,9 @@ async def _serve_call(
             call, session_id=record.id, session_started_ms=record.created_ms
         )
         one_call = True
+    charge = door.leases.charge(tenant, record, call.est_prompt_tokens, call.max_tokens * parsed.n)
     objective = door.admitter.tenancy.objective(tenant, call.tier)
-    events = _admitted_call(door, record, call, one_call, objective)
+    events = _admitted_call(door, record, call, charge, one_call, objective)
     headers = {CALL_ID_HEADER: call.call_id, SESSION_ID_HEADER: record.id}
     if not call.stream:
         async with contextlib.aclosing(events):
@@ -226,13 +227,14 @@ async def _admitted_call(
     door: FrontDoor,
     record: SessionRecord,
     call: CallEnvelope,
+    charge: CallCharge,
     one_call: bool,
     objective: Objective,
 ) -> AsyncGenerator[list[ReplyEvent] | Restarted, None]:
     """The call's events, run inside one of its session's call slots; a one-call session
     ends with its call."""
     try:
-        async with door.leases.call_slot(record, call.call_id, call.deadline_ms):
+        async with door.leases.call_slot(record, call.call_id, call.deadline_ms, charge):
             events = follow_call(door.calls, call, objective, session_calls=record.expected_calls)
             async with contextlib.aclosing(events):
                 async for item in events:

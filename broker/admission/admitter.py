@@ -422,7 +422,10 @@ class Admitter:
                 record=record,
                 tier_limits=decision.tier_limits,
                 tenant_limits=TenantLimits(
-                    tenant.max_sessions, tenant.max_parallel_calls, tenant.tokens_per_minute
+                    tenant.max_sessions,
+                    tenant.max_parallel_calls,
+                    tenant.tokens_per_minute,
+                    tenant.max_reserved_tokens,
                 ),
                 tokens_charged=need.total_tokens,
                 idempotency_key=idempotency_key,

@@ -19,17 +19,19 @@ import time
 from collections.abc import AsyncIterator
 
 from broker.admission.admitter import Admitter
-from broker.admission.state import SessionRecord, SlotStatus
+from broker.admission.state import CallCharge, SessionRecord, SlotStatus, minute_window
 from broker.admission.tenants import Tenant
 from broker.admission.waiters import SlotWaiters
 from broker.errors import (
     AdmissionUnavailable,
+    CallExceedsSession,
     DeadlineExceeded,
     SessionClosed,
     SessionExpired,
     SessionNotFound,
+    TenantQuota,
 )
-from schemas.vocab import SessionState
+from schemas.vocab import Decision, SessionState
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +82,37 @@ class SessionLeases:
         self.admitter.room_freed(session_id)
         return record
 
+    def charge(
+        self, tenant: Tenant, record: SessionRecord, prompt_tokens: int, max_tokens: int
+    ) -> CallCharge:
+        """What a call of ``prompt_tokens`` and ``max_tokens`` (all its choices) weighs in its
+        session (``CallCharge``); ``call_exceeds_session`` for a call that alone weighs more
+        than the session may hold in flight, which no wait would change."""
+        tokens = prompt_tokens + min(max_tokens, record.est_output_tokens)
+        limit = int(record.reserved_tokens * self.admitter.settings.session_overrun)
+        if tokens > limit:
+            raise CallExceedsSession(
+                f"this call weighs {tokens} tokens (its prompt, and its output at the "
+                f"session's est_output_tokens {record.est_output_tokens}); session "
+                f"{record.id} may hold {limit} in flight ({record.max_parallel} calls declared "
+                f"at est_prompt_tokens {record.est_prompt_tokens}): send a smaller call or "
+                "open a session that declares calls of this size",
+                param="messages",
+            )
+        return CallCharge(
+            tokens=tokens, in_flight_limit=limit, tokens_per_minute=tenant.tokens_per_minute
+        )
+
     @contextlib.asynccontextmanager
     async def call_slot(
-        self, record: SessionRecord, call_id: str, call_deadline_ms: int
+        self, record: SessionRecord, call_id: str, call_deadline_ms: int, charge: CallCharge
     ) -> AsyncIterator[SessionRecord]:
-        """Hold one of the session's ``max_parallel`` call slots. A call beyond them waits for
-        one of its own session's calls to end, up to its deadline; it never takes anyone
-        else's capacity. One beyond the waiting bounds (``SlotWaiters``) is refused at once,
-        ``too_many_waiting_calls``."""
+        """Hold one of the session's ``max_parallel`` call slots, charged ``charge``. A call
+        beyond them (or beyond the weight its session may hold in flight) waits for one of its
+        own session's calls to end, up to its deadline; it never takes anyone else's capacity.
+        One beyond the waiting bounds (``SlotWaiters``) is refused at once,
+        ``too_many_waiting_calls``; one that takes its session past its declaration when the
+        tenant's tokens per minute have no room left, ``tenant_quota``."""
         store = self.admitter.store_for(record.id)
         waiter = self.waiters.join(record.id)
         try:
@@ -95,10 +120,19 @@ class SessionLeases:
                 waiter.woken.clear()  # a wake from here on is for the answer below
                 now_ms = int(time.time() * 1000)
                 status, current = await store.acquire_call(
-                    record.id, call_id, call_deadline_ms, now_ms
+                    record.id, call_id, call_deadline_ms, now_ms, charge
                 )
                 if status is SlotStatus.ACQUIRED:
                     break
+                if status is SlotStatus.OVER_QUOTA:
+                    _, left_s = minute_window(now_ms)
+                    raise TenantQuota(
+                        f"session {record.id} has used more than it declared "
+                        f"({record.declared_tokens} tokens) and its tenant's tokens per minute "
+                        "have no room for this call",
+                        decision=Decision.REJECT.value,
+                        retry_after=max(1, round(left_s)),
+                    )
                 if status is SlotStatus.CLOSED:
                     raise SessionClosed(f"session {record.id} is closed")
                 if status is SlotStatus.EXPIRED:

@@ -9,8 +9,10 @@ the vocabulary lives only in ``schemas.vocab``. Keys, all under one hash-tagged 
 - ``P:s:<id>``          session hash; TTL = until its deadline plus the retention time
 - ``P:leases``          hash id -> "tier tenant tokens parallel" for every live reservation
 - ``P:expiry``          sorted set id -> lease expiry (ms); what the sweep reads
-- ``P:totals``          hash: ``tier:<tier>`` tokens, ``sessions:<tenant>``, ``parallel:<tenant>``
+- ``P:totals``          hash: ``tier:<tier>`` tokens, ``sessions:<tenant>``, ``parallel:<tenant>``,
+                        ``tokens:<tenant>`` (reserved)
 - ``P:slots:<id>``      sorted set call id -> call deadline (the session's calls in flight)
+- ``P:weights:<id>``    hash call id -> its charge's tokens, for the same calls
 - ``P:released:<b>``    tokens released in 10 s bucket ``b`` (TTL 80 s)
 - ``P:tpm:<tenant>:<m>`` tokens charged in minute ``m`` (TTL 2 min)
 - ``P:idem:<tenant>:<key>`` session id of an idempotent create (TTL 24 h)
@@ -45,6 +47,7 @@ from broker.admission.state import (
     DEFAULT_RETENTION_MS,
     RELEASE_BUCKET_MS,
     RELEASE_WINDOW_BUCKETS,
+    CallCharge,
     ReleaseListener,
     ReserveOutcome,
     ReserveRequest,
@@ -80,6 +83,7 @@ _INT_FIELDS = (
     "idle_timeout_ms",
     "expires_ms",
     "calls_started",
+    "tokens_used",
 )
 
 
@@ -168,6 +172,7 @@ class RedisAdmissionState:
             request.idempotency_key or "",
             IDEMPOTENCY_TTL_MS,
             json.dumps(_to_fields(record)),
+            -1 if limits.max_reserved_tokens is None else limits.max_reserved_tokens,
             *request.tier_limits,
         )
         status, value = out[0], out[1]
@@ -190,9 +195,25 @@ class RedisAdmissionState:
         return _from_fields(out)
 
     async def acquire_call(
-        self, session_id: str, call_id: str, call_deadline_ms: int, now_ms: int
+        self,
+        session_id: str,
+        call_id: str,
+        call_deadline_ms: int,
+        now_ms: int,
+        charge: CallCharge,
     ) -> tuple[SlotStatus, SessionRecord | None]:
-        out = await self._call("acquire", now_ms, session_id, call_id, call_deadline_ms)
+        window, _ = minute_window(now_ms)
+        out = await self._call(
+            "acquire",
+            now_ms,
+            session_id,
+            call_id,
+            call_deadline_ms,
+            charge.tokens,
+            charge.in_flight_limit,
+            charge.tokens_per_minute,
+            window,
+        )
         return SlotStatus(out[0]), _from_fields(out[1:])
 
     async def release_call(self, session_id: str, call_id: str, now_ms: int) -> None:
@@ -300,5 +321,6 @@ def _from_fields(flat: list[str]) -> SessionRecord | None:
         state=SessionState(raw["state"]),
         ended_ms=None if ended is None else int(ended),
         metadata=json.loads(raw.get("metadata", "{}")),
-        **{name: int(raw[name]) for name in _INT_FIELDS},
+        # A record written before a field existed reads it as 0 (``tokens_used``).
+        **{name: int(raw.get(name, 0)) for name in _INT_FIELDS},
     )

@@ -51,7 +51,15 @@ class SessionRecord:
     expires_ms: int
     ended_ms: int | None = None
     calls_started: int = 0
+    tokens_used: int = 0
+    """The calls' charges so far (``CallCharge.tokens``)."""
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def declared_tokens(self) -> int:
+        """What the session declared it would use in all (``expected_calls`` calls of its
+        estimated size): charged to its tenant's tokens per minute when it was admitted."""
+        return self.expected_calls * (self.est_prompt_tokens + self.est_output_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +67,9 @@ class TenantLimits:
     max_sessions: int
     max_parallel_calls: int
     tokens_per_minute: int
+    max_reserved_tokens: int | None = None
+    """The most KV tokens the tenant's live sessions may hold reserved together; ``None``:
+    only the tiers' shares bound them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +96,32 @@ class ReserveOutcome:
         return self.record is not None
 
 
+@dataclass(frozen=True, slots=True)
+class CallCharge:
+    """What a call of a session weighs against the session's declaration (issue: a session
+    must not be a way around its tenant's quotas by declaring small and sending large).
+
+    ``tokens`` is the call's prompt plus its output counted at the session's estimate (never
+    above the call's own ``max_tokens``): agents set ``max_tokens`` far above what they expect,
+    so charging it would refuse well-declared sessions; output past the estimate is bounded per
+    call by ``max_tokens`` and by the worker's KV check. The session's calls in flight may
+    weigh at most ``in_flight_limit`` together (a call beyond it waits for a slot, as one beyond
+    ``max_parallel`` does); the charges past ``SessionRecord.declared_tokens`` go to the
+    tenant's tokens-per-minute window, up to ``tokens_per_minute``."""
+
+    tokens: int
+    in_flight_limit: int
+    tokens_per_minute: int
+
+
 class SlotStatus(enum.StrEnum):
     ACQUIRED = "acquired"
     BUSY = "busy"
-    """The session already runs ``max_parallel`` calls."""
+    """The session already runs ``max_parallel`` calls, or calls that weigh too much to add
+    this one (``CallCharge.in_flight_limit``)."""
+    OVER_QUOTA = "over_quota"
+    """The call would take the session past its declaration and the tenant's tokens per
+    minute have no room for the excess."""
     CLOSED = "closed"
     EXPIRED = "expired"
     NOT_FOUND = "not_found"
@@ -121,8 +154,16 @@ class AdmissionState(Protocol):
         ...
 
     async def acquire_call(
-        self, session_id: str, call_id: str, call_deadline_ms: int, now_ms: int
-    ) -> tuple[SlotStatus, SessionRecord | None]: ...
+        self,
+        session_id: str,
+        call_id: str,
+        call_deadline_ms: int,
+        now_ms: int,
+        charge: CallCharge,
+    ) -> tuple[SlotStatus, SessionRecord | None]:
+        """Take one of the session's call slots for ``call_id`` until its deadline (or its
+        ``release_call``), and charge it (``CallCharge``)."""
+        ...
 
     async def release_call(self, session_id: str, call_id: str, now_ms: int) -> None: ...
 
@@ -160,10 +201,12 @@ class MemoryAdmissionState:
         self.retention_ms = retention_ms
         self._records: dict[str, SessionRecord] = {}
         self._leases: set[str] = set()
-        self._slots: dict[str, dict[str, int]] = defaultdict(dict)
+        self._slots: dict[str, dict[str, tuple[int, int]]] = defaultdict(dict)
+        """Per session: call id -> (its deadline, its charge's tokens)."""
         self._by_tier: dict[Tier, int] = defaultdict(int)
         self._tenant_sessions: dict[str, int] = defaultdict(int)
         self._tenant_parallel: dict[str, int] = defaultdict(int)
+        self._tenant_reserved: dict[str, int] = defaultdict(int)
         self._tpm: dict[tuple[str, int], int] = defaultdict(int)
         self._released: dict[int, int] = defaultdict(int)
         self._idempotency: dict[tuple[str, str], tuple[str, int]] = {}
@@ -217,11 +260,16 @@ class MemoryAdmissionState:
                 > limits.max_parallel_calls
                 or self._tpm[(record.tenant, window)] + request.tokens_charged
                 > limits.tokens_per_minute
+                or (
+                    limits.max_reserved_tokens is not None
+                    and self._tenant_reserved[record.tenant] + need > limits.max_reserved_tokens
+                )
             ):
                 return ReserveOutcome(Reason.TENANT_QUOTA)
             self._by_tier[record.tier] += need
             self._tenant_sessions[record.tenant] += 1
             self._tenant_parallel[record.tenant] += record.max_parallel
+            self._tenant_reserved[record.tenant] += need
             self._tpm[(record.tenant, window)] += request.tokens_charged
             self._leases.add(record.id)
             self._keep(record)
@@ -244,7 +292,12 @@ class MemoryAdmissionState:
             return self._records.get(session_id)
 
     async def acquire_call(
-        self, session_id: str, call_id: str, call_deadline_ms: int, now_ms: int
+        self,
+        session_id: str,
+        call_id: str,
+        call_deadline_ms: int,
+        now_ms: int,
+        charge: CallCharge,
     ) -> tuple[SlotStatus, SessionRecord | None]:
         async with self._lock:
             self._sweep(now_ms)
@@ -255,14 +308,31 @@ class MemoryAdmissionState:
                 status = SlotStatus(record.state.value)
                 return status, record
             slots = self._slots[session_id]
-            for other, until in list(slots.items()):
+            for other, (until, _) in list(slots.items()):
                 if until <= now_ms:
                     del slots[other]
-            if len(slots) >= record.max_parallel:
+            in_flight = sum(tokens for _, tokens in slots.values())
+            if (
+                len(slots) >= record.max_parallel
+                or in_flight + charge.tokens > charge.in_flight_limit
+            ):
                 return SlotStatus.BUSY, record
-            slots[call_id] = call_deadline_ms
+            used = record.tokens_used + charge.tokens
+            excess = max(0, used - record.declared_tokens) - max(
+                0, record.tokens_used - record.declared_tokens
+            )
+            window, _ = minute_window(now_ms)
+            if excess and self._tpm[(record.tenant, window)] + excess > charge.tokens_per_minute:
+                return SlotStatus.OVER_QUOTA, record
+            self._tpm[(record.tenant, window)] += excess
+            slots[call_id] = (call_deadline_ms, charge.tokens)
             expires = min(record.deadline_ms, max(record.expires_ms, call_deadline_ms))
-            record = replace(record, expires_ms=expires, calls_started=record.calls_started + 1)
+            record = replace(
+                record,
+                expires_ms=expires,
+                calls_started=record.calls_started + 1,
+                tokens_used=used,
+            )
             self._keep(record)
             return SlotStatus.ACQUIRED, record
 
@@ -274,7 +344,7 @@ class MemoryAdmissionState:
             record = self._records.get(session_id)
             if record is None or session_id not in self._leases:
                 return
-            busy_until = max(slots.values(), default=0) if slots else 0
+            busy_until = max((until for until, _ in slots.values()), default=0) if slots else 0
             idle_from = max(now_ms + record.idle_timeout_ms, busy_until)
             self._keep(replace(record, expires_ms=min(record.deadline_ms, idle_from)))
 
@@ -341,6 +411,7 @@ class MemoryAdmissionState:
         self._by_tier[record.tier] -= record.reserved_tokens
         self._tenant_sessions[record.tenant] -= 1
         self._tenant_parallel[record.tenant] -= record.max_parallel
+        self._tenant_reserved[record.tenant] -= record.reserved_tokens
         self._released[now_ms // RELEASE_BUCKET_MS] += record.reserved_tokens
         self._records[session_id] = replace(record, state=state, ended_ms=now_ms)
         heapq.heappush(self._forget, (now_ms + self.retention_ms, session_id))

@@ -36,6 +36,7 @@ local function end_lease(id, state)
   redis.call('HINCRBY', P .. ':totals', 'tier:' .. tier, -tokens)
   redis.call('HINCRBY', P .. ':totals', 'sessions:' .. tenant, -1)
   redis.call('HINCRBY', P .. ':totals', 'parallel:' .. tenant, -tonumber(parallel))
+  redis.call('HINCRBY', P .. ':totals', 'tokens:' .. tenant, -tokens)
   redis.call('HDEL', P .. ':leases', id)
   redis.call('ZREM', P .. ':expiry', id)
   local b = P .. ':released:' .. math.floor(now / BUCKET)
@@ -89,8 +90,9 @@ elseif op == 'reserve' then
   local tpm_limit, tpm_charge, window = tonumber(arg(10)), tonumber(arg(11)), arg(12)
   local idem, idem_ttl = arg(13), tonumber(arg(14))
   local fields = cjson.decode(arg(15))
+  local max_reserved = tonumber(arg(16))  -- the tenant's reserved tokens; -1: no limit
   local limits = {}
-  for i = 1, N do limits[i] = tonumber(arg(15 + i)) end
+  for i = 1, N do limits[i] = tonumber(arg(16 + i)) end
   local idem_key = P .. ':idem:' .. tenant .. ':' .. idem
   if idem ~= '' then
     local known = redis.call('GET', idem_key)
@@ -110,13 +112,15 @@ elseif op == 'reserve' then
   local tpm_key = P .. ':tpm:' .. tenant .. ':' .. window
   if total('sessions:' .. tenant) + 1 > max_sessions
       or total('parallel:' .. tenant) + parallel > max_parallel
-      or tonumber(redis.call('GET', tpm_key) or '0') + tpm_charge > tpm_limit then
+      or tonumber(redis.call('GET', tpm_key) or '0') + tpm_charge > tpm_limit
+      or (max_reserved >= 0 and total('tokens:' .. tenant) + tokens > max_reserved) then
     return {'tenant_quota', '0'}
   end
   local tier = TIERS[tier_index]
   redis.call('HINCRBY', P .. ':totals', 'tier:' .. tier, tokens)
   redis.call('HINCRBY', P .. ':totals', 'sessions:' .. tenant, 1)
   redis.call('HINCRBY', P .. ':totals', 'parallel:' .. tenant, parallel)
+  redis.call('HINCRBY', P .. ':totals', 'tokens:' .. tenant, tokens)
   redis.call('INCRBY', tpm_key, tpm_charge)
   redis.call('PEXPIRE', tpm_key, 120000)
   redis.call('HSET', P .. ':leases', id,
@@ -134,7 +138,12 @@ elseif op == 'release' then
   return redis.call('HGETALL', skey(arg(1)))
 elseif op == 'acquire' then
   -- Answers the status followed by the session's fields, so the caller needs no second call.
+  -- The call's charge (CallCharge in state.py): its tokens, the most the session's calls in
+  -- flight may weigh together, and the tenant's tokens per minute for what passes the
+  -- session's declaration.
   local id, call_id, call_deadline = arg(1), arg(2), tonumber(arg(3))
+  local tokens, in_flight_limit = tonumber(arg(4)), tonumber(arg(5))
+  local tpm_limit, window = tonumber(arg(6)), arg(7)
   local k = skey(id)
   if redis.call('EXISTS', k) == 0 then return {'not_found'} end
   local function answer(status)
@@ -142,25 +151,47 @@ elseif op == 'acquire' then
     table.insert(out, 1, status)
     return out
   end
-  local f = redis.call('HMGET', k, 'state', 'max_parallel', 'deadline_ms', 'expires_ms')
+  local f = redis.call('HMGET', k, 'state', 'max_parallel', 'deadline_ms', 'expires_ms',
+    'tokens_used', 'expected_calls', 'est_prompt_tokens', 'est_output_tokens', 'tenant')
   if f[1] ~= 'active' then return answer(f[1]) end
   local slots = P .. ':slots:' .. id
-  redis.call('ZREMRANGEBYSCORE', slots, '-inf', now)
-  if redis.call('ZCARD', slots) >= tonumber(f[2]) then
+  local weights = P .. ':weights:' .. id
+  local gone = redis.call('ZRANGEBYSCORE', slots, '-inf', now)
+  if #gone > 0 then
+    redis.call('ZREMRANGEBYSCORE', slots, '-inf', now)
+    redis.call('HDEL', weights, unpack(gone))
+  end
+  local in_flight = 0
+  for _, w in ipairs(redis.call('HVALS', weights)) do in_flight = in_flight + tonumber(w) end
+  if redis.call('ZCARD', slots) >= tonumber(f[2]) or in_flight + tokens > in_flight_limit then
     redis.call('HSET', k, 'contended', '1')
     return answer('busy')
   end
+  local used = tonumber(f[5] or '0')
+  local declared = tonumber(f[6]) * (tonumber(f[7]) + tonumber(f[8]))
+  local excess = math.max(0, used + tokens - declared) - math.max(0, used - declared)
+  if excess > 0 then
+    local tpm_key = P .. ':tpm:' .. f[9] .. ':' .. window
+    if tonumber(redis.call('GET', tpm_key) or '0') + excess > tpm_limit then
+      return answer('over_quota')
+    end
+    redis.call('INCRBY', tpm_key, excess)
+    redis.call('PEXPIRE', tpm_key, 120000)
+  end
   redis.call('ZADD', slots, call_deadline, call_id)
+  redis.call('HSET', weights, call_id, tokens)
   local deadline = tonumber(f[3])
   redis.call('PEXPIRE', slots, deadline - now + 60000)
+  redis.call('PEXPIRE', weights, deadline - now + 60000)
   local expires = math.min(deadline, math.max(tonumber(f[4]), call_deadline))
-  redis.call('HSET', k, 'expires_ms', expires)
+  redis.call('HSET', k, 'expires_ms', expires, 'tokens_used', used + tokens)
   redis.call('HINCRBY', k, 'calls_started', 1)
   redis.call('ZADD', P .. ':expiry', 'XX', expires, id)
   return answer('acquired')
 elseif op == 'release_call' then
   local id, call_id = arg(1), arg(2)
   local slots = P .. ':slots:' .. id
+  redis.call('HDEL', P .. ':weights:' .. id, call_id)
   if redis.call('ZREM', slots, call_id) == 1 then announce('call', id, arg(3)) end
   if not redis.call('HGET', P .. ':leases', id) then return 0 end
   local k = skey(id)

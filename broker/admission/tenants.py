@@ -14,7 +14,9 @@
     max_tier = "guaranteed"
     max_sessions = 50
     max_parallel_calls = 200
-    tokens_per_minute = 2000000
+    tokens_per_minute = 2000000     # charged at admission with the session's declared tokens,
+                                    # and with what its calls use past that declaration
+    max_reserved_tokens = 400000    # optional: KV tokens its live sessions hold reserved at once
     [tenants.objectives.standard]   # optional: this tenant's own objectives for a tier
     ttft_ms = 500
 
@@ -83,6 +85,9 @@ class Tenant(BaseModel):
     max_sessions: int = Field(default=100, ge=1)
     max_parallel_calls: int = Field(default=256, ge=1)
     tokens_per_minute: int = Field(default=10_000_000, ge=1)
+    max_reserved_tokens: int | None = Field(default=None, ge=1)
+    """The most KV tokens this tenant's live sessions may hold reserved together (unset: only
+    the tiers' shares of the fleet bound them)."""
     objectives: dict[Tier, ObjectiveOverride] = Field(default_factory=dict)
 
     def allows(self, tier: Tier) -> bool:
