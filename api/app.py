@@ -28,6 +28,7 @@ from broker.admission.signals import FleetSignals
 from broker.admission.state import AdmissionState, MemoryAdmissionState
 from broker.admission.tenants import load_tenancy
 from broker.db import engine_url, make_engine
+from broker.errors import AdmissionUnavailable
 from broker.fleet import FleetView, FleetWatcher
 from broker.ledger import Ledger
 from broker.publisher import CallPublisher
@@ -74,6 +75,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             await ledger.start()
             metrics.watch_ledger(ledger)
             state = admission_state(settings)
+            await _require_noeviction(state)
             admitter = Admitter(
                 settings,
                 tenancy,
@@ -151,6 +153,16 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(admin.router)
     return app
+
+
+async def _require_noeviction(state: AdmissionState) -> None:
+    """Refuse to start on a Redis that evicts keys; one unreachable now is checked no further
+    (admission degrades as documented until it is back)."""
+    if isinstance(state, RedisAdmissionState):
+        try:
+            await state.require_noeviction()
+        except AdmissionUnavailable as exc:
+            log.warning("%s: its eviction policy could not be checked", exc)
 
 
 def admission_state(settings: ApiSettings) -> AdmissionState:

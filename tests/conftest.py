@@ -14,6 +14,7 @@ from broker.procs import Proc, wait_http
 from kvgate.cli import COMMAND
 from tests.otlp import OtlpHttpReceiver, SpanStore
 from tests.procs import start_api, start_worker
+from tests.redisserver import RedisServer
 
 
 @pytest.fixture
@@ -21,6 +22,18 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
     """A fresh NATS server on a random port with its own store, per test."""
     with EmbeddedNats(tmp_path / "nats", log_file=tmp_path / "nats.log") as server:
         yield server
+
+
+@pytest.fixture
+async def redis_server(tmp_path: Path) -> AsyncIterator[RedisServer]:
+    """A Redis server of the test's own on a free port (a fault test may stop or restart it)."""
+    server = RedisServer(tmp_path / "redis")
+    server.directory.mkdir()
+    await server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -11,12 +11,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
-from redis.exceptions import RedisError
 
 from broker.admission.admitter import Admitter
 from broker.admission.leases import SessionLeases
@@ -27,10 +25,10 @@ from broker.admission.state import CallCharge, ReserveRequest, SessionRecord, Te
 from broker.admission.tenants import Tenant, load_tenancy
 from broker.errors import SessionClosed
 from broker.fleet import FleetView
-from broker.procs import Proc, free_port
 from broker.settings import ApiSettings
 from schemas.vocab import Reason, SessionState, Tier
 from tests.polling import poll_until
+from tests.redisserver import RedisServer
 
 LIGHT = CallCharge(tokens=1, in_flight_limit=1_000_000, tokens_per_minute=1_000_000)
 
@@ -49,60 +47,12 @@ yet far below the head's poll, which these tests stretch to ``SLOW_POLL_S``."""
 SLOW_POLL_S = 120.0
 """The waiting head's poll in the wake tests: only a wake can let the call through in time."""
 REDIS_BOUND_S = 20.0
-"""For a Redis server to start, and for the release feed to subscribe again after a restart
-(it backs off up to 10 s between attempts)."""
+"""For the release feed to subscribe again after a restart (it backs off up to 10 s between
+attempts)."""
 LIMITS = (10**9, 10**9, 10**9)
 SCRIPT_STATS = ("cmdstat_evalsha", "cmdstat_eval")
 ACME = Tenant(id="acme", key_sha256="0" * 64, max_tier=Tier.STANDARD)
 TENANT = TenantLimits(max_sessions=1000, max_parallel_calls=10_000, tokens_per_minute=10**9)
-
-
-class RedisServer:
-    """A Redis server of the test's own, on a free port, with nothing saved to disk."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._proc: Proc | None = None
-
-    async def start(self) -> None:
-        self._proc = Proc(
-            "redis",
-            [
-                *("redis-server", "--port", str(self.port), "--bind", "127.0.0.1"),
-                *("--save", "", "--appendonly", "no", "--dir", str(self.directory)),
-            ],
-            {},
-            self.directory,
-        )
-        client = aioredis.Redis.from_url(self.url)
-
-        async def ping() -> bool:
-            try:
-                return bool(await client.ping())
-            except (OSError, RedisError):
-                return False
-
-        try:
-            await poll_until(ping, bool, timeout_s=REDIS_BOUND_S)
-        finally:
-            await client.aclose()
-
-    def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.stop()
-            self._proc = None
-
-
-@pytest.fixture
-async def redis_server(tmp_path: Path) -> AsyncIterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    await server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @dataclass

@@ -64,6 +64,9 @@ HOLD_POLL_S = 0.25
 """How often a held session is decided again with no release seen here (each time one read of
 the shared state): a release on another replica, or a worker's reading, is seen this late."""
 UNSEEN_MARGIN_MS = 250
+HEAL_INTERVAL_S = 60.0
+"""How often the shared state's totals are recomputed from its leases (``AdmissionState.heal``):
+an O(leases) script, cheap once a minute, and a drift is never older than this."""
 """A session admitted this long before a worker's reading may not have started its calls when
 the reading was taken: its reservation still counts as unseen (counting twice errs safe)."""
 HELD_REASONS = frozenset({Reason.TIER_CAPACITY, Reason.FLEET_SATURATED})
@@ -166,6 +169,7 @@ class Admitter:
         self._admitted_recently = RecentAdmissions()
         self._task: asyncio.Task[None] | None = None
         self._state_reachable = True
+        self._healed_ms = 0
 
     # -- background: pressure readings and lease expiry ---------------------------------
 
@@ -206,6 +210,12 @@ class Admitter:
             self.pace.refresh(now_ms / 1000)
         try:
             await self.state.sweep(now_ms)
+            if now_ms - self._healed_ms >= HEAL_INTERVAL_S * 1000:
+                self._healed_ms = now_ms
+                wrong = await self.state.heal(now_ms)
+                if wrong:
+                    log.warning("admission state: %d entries were wrong and were mended", wrong)
+                    self.metrics.healed.inc(wrong)
             if not self._state_reachable:
                 log.info("admission state reachable again")
             self._state_reachable = True

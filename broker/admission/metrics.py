@@ -28,6 +28,12 @@ class AdmissionMetrics:
             buckets=(0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0),
             registry=registry,
         )
+        self.healed = Counter(
+            "kvgate_admission_state_healed",
+            "Entries of the shared admission state found wrong and mended by the heal (totals "
+            "recomputed from the leases, lost expiry entries); any is worth a look",
+            registry=registry,
+        )
         self.pressure = Gauge(
             "kvgate_admission_pressure",
             "Admission pressure state: 0 normal, 1 elevated, 2 saturated",

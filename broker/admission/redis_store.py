@@ -24,6 +24,17 @@ at once instead of polling (``follow_releases``).
 
 A lease lives in ``P:leases``/``P:expiry`` (no TTL: they are removed exactly when the lease
 ends, so totals never drift), while everything else carries a TTL, so nothing outlives its use.
+
+Three things keep the replicas' shared state true when the world is not:
+- **One clock: Redis's.** Every time this store sends (``now``, deadlines, expiries) is moved
+  onto the Redis server's clock (``TIME``, measured every ``CLOCK_REFRESH_S``), and every time
+  it reads back is moved onto this replica's. A replica whose clock runs minutes fast then
+  neither expires everyone's leases nor keeps its own alive too long.
+- **``noeviction`` is required** (``require_noeviction``, at start-up): a lease key evicted
+  under memory pressure would leak its tokens or negate a total.
+- **Totals are healed from the leases** (``heal``, once a minute): the totals are recomputed
+  from ``P:leases``, a lease whose expiry entry is lost gets one back, an expiry entry whose
+  lease is lost is dropped. Nothing drifts for longer than a heal.
 """
 
 from __future__ import annotations
@@ -33,7 +44,9 @@ import contextlib
 import json
 import logging
 import random
+import time
 import uuid
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
@@ -56,6 +69,7 @@ from broker.admission.state import (
     minute_window,
 )
 from broker.errors import AdmissionUnavailable
+from broker.settings import redacted_url
 from schemas.vocab import TIERS_BY_PRIORITY, Reason, SessionState, Tier
 
 log = logging.getLogger(__name__)
@@ -64,6 +78,9 @@ IDEMPOTENCY_TTL_MS = 24 * 3_600_000
 FEED_HEALTH_S = 5.0
 """How long the release feed waits on a quiet channel before it pings Redis (redis-py's health
 check). A connection Redis closed is seen at once; the waiting calls poll regardless."""
+CLOCK_REFRESH_S = 30.0
+"""How often the offset between this replica's clock and Redis's is measured again: clocks
+drift by milliseconds a minute, a step (an NTP correction) is caught within this."""
 FEED_BACKOFF_S = (0.5, 10.0)
 """The release feed's first and longest wait before it connects again after losing Redis."""
 
@@ -96,6 +113,7 @@ class RedisAdmissionState:
         retention_ms: int = DEFAULT_RETENTION_MS,
         timeout_s: float = 0.5,
         max_connections: int = 64,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         """``timeout_s`` bounds every wait on Redis: a connection from the pool, connecting,
         a reply. At most ``max_connections`` are open; a call beyond them waits for one.
@@ -103,7 +121,11 @@ class RedisAdmissionState:
         redis-py's default pool fails a call at once ("Too many connections") when more than
         its 100 connections are in use: a burst of concurrent decisions on one front door then
         read as Redis being unreachable (seen: a 300-request burst on three replicas admitted
-        in degraded mode). The blocking pool queues them instead, bounded by ``timeout_s``."""
+        in degraded mode). The blocking pool queues them instead, bounded by ``timeout_s``.
+
+        ``clock`` is the clock the callers' times come from (a test gives a replica a wrong
+        one); every time is moved between it and Redis's clock here (the module's docstring).
+        """
         self.prefix = prefix
         self.retention_ms = retention_ms
         self.origin = uuid.uuid4().hex[:12]
@@ -121,14 +143,52 @@ class RedisAdmissionState:
         )
         self._redis = aioredis.Redis.from_pool(pool)
         self._script = self._redis.register_script(_SCRIPT)
+        self._clock = clock
+        self._offset_ms = 0
+        self._offset_at = float("-inf")
 
     async def _call(self, op: str, now_ms: int, *args: str | int) -> Any:
+        """Run ``op``; ``now_ms`` and every time in ``args`` on Redis's clock already."""
         try:
             return await self._script(
                 keys=[self.prefix], args=[op, now_ms, self.retention_ms, _TIERS, *args]
             )
         except (RedisError, OSError) as exc:
             raise AdmissionUnavailable(f"admission state (Redis) unavailable: {exc}") from exc
+
+    async def _offset(self) -> int:
+        """Redis's clock minus the callers' (ms), measured again every ``CLOCK_REFRESH_S``
+        (half the round trip is the error: well under a millisecond on a LAN)."""
+        if self._clock() - self._offset_at >= CLOCK_REFRESH_S:
+            try:
+                before = self._clock()
+                seconds, micros = await self._redis.time()
+                after = self._clock()
+            except (RedisError, OSError) as exc:
+                raise AdmissionUnavailable(f"admission state (Redis) unavailable: {exc}") from exc
+            self._offset_ms = round(seconds * 1000 + micros / 1000 - (before + after) * 500)
+            self._offset_at = after
+        return self._offset_ms
+
+    async def require_noeviction(self) -> None:
+        """Raise ``ValueError`` unless Redis's ``maxmemory-policy`` is ``noeviction``: an
+        evicted lease would leak its tokens or negate a total. Read from ``INFO memory``, which
+        managed services that disable ``CONFIG`` still answer."""
+        try:
+            policy = (await self._redis.info("memory")).get("maxmemory_policy", "noeviction")
+        except (RedisError, OSError) as exc:
+            raise AdmissionUnavailable(f"admission state (Redis) unavailable: {exc}") from exc
+        if policy != "noeviction":
+            raise ValueError(
+                f"Redis at {redacted_url(self._url)} evicts keys (maxmemory-policy {policy}):"
+                " admission's leases would be lost under memory pressure; set"
+                " maxmemory-policy noeviction"
+            )
+
+    async def heal(self, now_ms: int) -> int:
+        """Recompute the totals from the leases and mend the expiry index (the module's
+        docstring); returns how many entries were wrong."""
+        return int(await self._call("heal", now_ms + await self._offset()))
 
     async def ping(self) -> bool:
         try:
@@ -137,6 +197,7 @@ class RedisAdmissionState:
             return False
 
     async def holdings(self, tenant: str, now_ms: int) -> Holdings:
+        now_ms += await self._offset()
         window, left_s = minute_window(now_ms)
         out = await self._call("holdings", now_ms, tenant, window, RELEASE_WINDOW_BUCKETS)
         window_s = RELEASE_BUCKET_MS * RELEASE_WINDOW_BUCKETS / 1000
@@ -153,17 +214,18 @@ class RedisAdmissionState:
     async def reserve(self, request: ReserveRequest, now_ms: int) -> ReserveOutcome:
         record = request.record
         limits = request.tenant_limits
-        window, _ = minute_window(now_ms)
+        offset = await self._offset()
+        window, _ = minute_window(now_ms + offset)
         out = await self._call(
             "reserve",
-            now_ms,
+            now_ms + offset,
             record.id,
             record.tenant,
             TIERS_BY_PRIORITY.index(record.tier) + 1,
             record.reserved_tokens,
             record.max_parallel,
-            record.expires_ms,
-            record.deadline_ms,
+            record.expires_ms + offset,
+            record.deadline_ms + offset,
             limits.max_sessions,
             limits.max_parallel_calls,
             limits.tokens_per_minute,
@@ -171,7 +233,7 @@ class RedisAdmissionState:
             window,
             request.idempotency_key or "",
             IDEMPOTENCY_TTL_MS,
-            json.dumps(_to_fields(record)),
+            json.dumps(_to_fields(record, offset)),
             -1 if limits.max_reserved_tokens is None else limits.max_reserved_tokens,
             *request.tier_limits,
         )
@@ -186,13 +248,15 @@ class RedisAdmissionState:
         return ReserveOutcome(Reason(status), shortfall_tokens=int(value))
 
     async def get(self, session_id: str, now_ms: int) -> SessionRecord | None:
-        return _from_fields(await self._call("get", now_ms, session_id))
+        offset = await self._offset()
+        return _from_fields(await self._call("get", now_ms + offset, session_id), offset)
 
     async def release(
         self, session_id: str, state: SessionState, now_ms: int
     ) -> SessionRecord | None:
-        out = await self._call("release", now_ms, session_id, state.value, self.origin)
-        return _from_fields(out)
+        offset = await self._offset()
+        out = await self._call("release", now_ms + offset, session_id, state.value, self.origin)
+        return _from_fields(out, offset)
 
     async def acquire_call(
         self,
@@ -202,28 +266,30 @@ class RedisAdmissionState:
         now_ms: int,
         charge: CallCharge,
     ) -> tuple[SlotStatus, SessionRecord | None]:
-        window, _ = minute_window(now_ms)
+        offset = await self._offset()
+        window, _ = minute_window(now_ms + offset)
         out = await self._call(
             "acquire",
-            now_ms,
+            now_ms + offset,
             session_id,
             call_id,
-            call_deadline_ms,
+            call_deadline_ms + offset,
             charge.tokens,
             charge.in_flight_limit,
             charge.tokens_per_minute,
             window,
         )
-        return SlotStatus(out[0]), _from_fields(out[1:])
+        return SlotStatus(out[0]), _from_fields(out[1:], offset)
 
     async def release_call(self, session_id: str, call_id: str, now_ms: int) -> None:
+        now_ms += await self._offset()
         await self._call("release_call", now_ms, session_id, call_id, self.origin)
 
     async def touch(self, session_id: str, now_ms: int) -> None:
-        await self._call("touch", now_ms, session_id)
+        await self._call("touch", now_ms + await self._offset(), session_id)
 
     async def sweep(self, now_ms: int) -> int:
-        return int(await self._call("sweep", now_ms))
+        return int(await self._call("sweep", now_ms + await self._offset()))
 
     async def reserved_tokens(self) -> int:
         return int(await self._call("reserved", 0))
@@ -296,9 +362,16 @@ class RedisAdmissionState:
         await self._redis.aclose()
 
 
-def _to_fields(record: SessionRecord) -> dict[str, str]:
+_TIME_FIELDS = frozenset({"created_ms", "deadline_ms", "expires_ms"})
+"""The record's times: on Redis's clock in Redis, on the callers' outside it."""
+
+
+def _to_fields(record: SessionRecord, offset_ms: int) -> dict[str, str]:
     # Strings only: Lua numbers are doubles and would print large integers in exponent form.
-    fields = {name: str(getattr(record, name)) for name in _INT_FIELDS}
+    fields = {
+        name: str(getattr(record, name) + (offset_ms if name in _TIME_FIELDS else 0))
+        for name in _INT_FIELDS
+    }
     fields.update(
         id=record.id,
         tenant=record.tenant,
@@ -309,17 +382,19 @@ def _to_fields(record: SessionRecord) -> dict[str, str]:
     return fields
 
 
-def _from_fields(flat: list[str]) -> SessionRecord | None:
+def _from_fields(flat: list[str], offset_ms: int) -> SessionRecord | None:
     if not flat:
         return None
     raw = dict(zip(flat[::2], flat[1::2], strict=True))
+    for name in _TIME_FIELDS & raw.keys():
+        raw[name] = str(int(raw[name]) - offset_ms)
     ended = raw.get("ended_ms")
     return SessionRecord(
         id=raw["id"],
         tenant=raw["tenant"],
         tier=Tier(raw["tier"]),
         state=SessionState(raw["state"]),
-        ended_ms=None if ended is None else int(ended),
+        ended_ms=None if ended is None else int(ended) - offset_ms,
         metadata=json.loads(raw.get("metadata", "{}")),
         # A record written before a field existed reads it as 0 (``tokens_used``).
         **{name: int(raw.get(name, 0)) for name in _INT_FIELDS},

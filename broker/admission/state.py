@@ -186,6 +186,11 @@ class AdmissionState(Protocol):
         """Tokens reserved fleet-wide right now."""
         ...
 
+    async def heal(self, now_ms: int) -> int:
+        """Mend what lost or stray keys left wrong (the totals from the leases); returns how
+        many entries were wrong."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -368,6 +373,9 @@ class MemoryAdmissionState:
 
     async def follow_releases(self, listener: ReleaseListener) -> None:
         return None
+
+    async def heal(self, now_ms: int) -> int:
+        return 0  # one process, one lock: nothing is lost between its keys
 
     async def close(self) -> None:
         return None

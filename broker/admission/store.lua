@@ -212,6 +212,54 @@ elseif op == 'touch' then
   redis.call('HSET', k, 'expires_ms', expires)
   redis.call('ZADD', P .. ':expiry', 'XX', expires, id)
   return 1
+elseif op == 'heal' then
+  -- The totals recomputed from the leases, the source of truth; a lease that lost its expiry
+  -- entry gets its session's expiry back (now, if its session's hash is lost too, so that it
+  -- ends); an expiry entry whose lease is lost is dropped. Answers how many entries were wrong.
+  local wrong = 0
+  local want = {}
+  local function add(field, n) want[field] = (want[field] or 0) + n end
+  local leases = redis.call('HGETALL', P .. ':leases')
+  for i = 1, #leases, 2 do
+    local id = leases[i]
+    local tier, tenant, tokens, parallel = string.match(leases[i + 1], '^(%S+) (%S+) (%S+) (%S+)$')
+    add('tier:' .. tier, tonumber(tokens))
+    add('sessions:' .. tenant, 1)
+    add('parallel:' .. tenant, tonumber(parallel))
+    add('tokens:' .. tenant, tonumber(tokens))
+    if not redis.call('ZSCORE', P .. ':expiry', id) then
+      local expires = redis.call('HGET', skey(id), 'expires_ms') or now
+      redis.call('ZADD', P .. ':expiry', tonumber(expires), id)
+      wrong = wrong + 1
+    end
+  end
+  for _, id in ipairs(redis.call('ZRANGE', P .. ':expiry', 0, -1)) do
+    if redis.call('HEXISTS', P .. ':leases', id) == 0 then
+      redis.call('ZREM', P .. ':expiry', id)
+      wrong = wrong + 1
+    end
+  end
+  local have = redis.call('HGETALL', P .. ':totals')
+  for i = 1, #have, 2 do
+    local field, value = have[i], tonumber(have[i + 1])
+    local right = want[field] or 0
+    want[field] = nil
+    if value ~= right then
+      wrong = wrong + 1
+      if right == 0 then
+        redis.call('HDEL', P .. ':totals', field)
+      else
+        redis.call('HSET', P .. ':totals', field, right)
+      end
+    elseif right == 0 then
+      redis.call('HDEL', P .. ':totals', field)  -- a tenant long gone: nothing to keep
+    end
+  end
+  for field, right in pairs(want) do
+    redis.call('HSET', P .. ':totals', field, right)
+    wrong = wrong + 1
+  end
+  return wrong
 elseif op == 'reserved' then
   local sum = 0
   for _, t in ipairs(TIERS) do sum = sum + total('tier:' .. t) end
