@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.vocab import Decision, Reason, SessionState, Tier
 
+METADATA_MAX_PAIRS = 32
+METADATA_MAX_KEY = 64
+METADATA_MAX_VALUE = 512
+"""A session's metadata is held in the shared admission state and the ledger for as long as the
+session and its retention: bounded per pair (OpenAI's metadata limits), about 19 KiB at most."""
 MetadataValue = str | int | float | bool
 
 
@@ -34,7 +39,20 @@ class SessionCreate(BaseModel):
     not fit now, before it answers 503 with ``Retry-After``; 0 answers at once. Defaults to
     the front door's ``admission_max_wait_s``, which is also the most that may be asked; a
     session is never held for more than a quarter of its deadline."""
-    metadata: dict[str, MetadataValue] = Field(default_factory=dict, max_length=32)
+    metadata: dict[str, MetadataValue] = Field(default_factory=dict, max_length=METADATA_MAX_PAIRS)
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded(cls, metadata: dict[str, MetadataValue]) -> dict[str, MetadataValue]:
+        # One check with one message, rather than the union's three errors per value.
+        for key, value in metadata.items():
+            if len(key) > METADATA_MAX_KEY:
+                raise ValueError(f"a key is longer than {METADATA_MAX_KEY} characters")
+            if isinstance(value, str) and len(value) > METADATA_MAX_VALUE:
+                raise ValueError(
+                    f"the value of {key!r} is longer than {METADATA_MAX_VALUE} characters"
+                )
+        return metadata
 
 
 class SessionLease(BaseModel):
