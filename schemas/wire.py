@@ -35,6 +35,8 @@ CANCEL_SUBJECT_PREFIX: Final = "kvgate.cancel."
 WORKERS_BUCKET: Final = "KVGATE_WORKERS"
 RESULTS_STREAM: Final = "KVGATE_RESULTS"
 RESULT_SUBJECT_PREFIX: Final = "kvgate.results."
+INBOX_PREFIX: Final = "_INBOX."
+"""Where nats.py's inboxes live: every call's reply inbox is under it."""
 
 
 _UNSAFE_IN_TOKEN = re.compile(r"[^A-Za-z0-9_-]+")

@@ -290,6 +290,31 @@ async def test_a_call_past_its_deadline_is_never_started(harness: Harness) -> No
     assert worker.counters.deadline_dropped == 1
 
 
+async def test_a_call_whose_answer_would_go_to_a_calls_queue_is_terminated(
+    harness: Harness,
+) -> None:
+    forged = call("forged", tier=Tier.STANDARD)
+    queue = call_subject(Tier.GUARANTEED, forged.model)
+    landed: list[bytes] = []
+
+    async def on_msg(msg: Msg) -> None:
+        landed.append(msg.data)
+
+    await harness.nc.subscribe(queue, cb=on_msg)
+    headers = {"Kvgate-Call": "forged", "Kvgate-Reply": queue}
+    await harness.js.publish(
+        call_subject(forged.tier, forged.model), encode(forged), headers=headers
+    )
+    worker = await harness.start_worker()
+    await poll_until(
+        lambda: harness.js.stream_info(STREAM_NAME),
+        lambda info: info.state.messages == 0,
+        timeout_s=EVENT_BOUND_S,
+    )
+    await harness.nc.flush()
+    assert worker.counters.started == 0 and landed == []
+
+
 async def test_a_staged_call_whose_deadline_passes_is_dropped(harness: Harness) -> None:
     # One sequence slot, doorbells open on every tier: the second call is delivered but waits
     # staged behind the long first one.

@@ -41,6 +41,8 @@ from broker.streams import provision_calls, provision_results, workers_bucket
 from schemas.vocab import TIERS_BY_PRIORITY, ErrorCode, Tier
 from schemas.wire import (
     CANCEL_SUBJECT_PREFIX,
+    INBOX_PREFIX,
+    RESULT_SUBJECT_PREFIX,
     CallEnvelope,
     Header,
     Usage,
@@ -265,6 +267,14 @@ class Worker:
         attempt = int(msg.metadata.num_delivered or 1)
         if not inbox and not result_subject:
             log.error("call with neither %s nor %s; terminating it", Header.REPLY, Header.RESULT)
+            await msg.term()
+            return
+        # Answers go only where answers belong: a call naming another subject (a calls queue,
+        # a cancel) would make this worker publish there (NATS's permissions refuse it too).
+        if (inbox and not inbox.startswith(INBOX_PREFIX)) or (
+            result_subject and not result_subject.startswith(RESULT_SUBJECT_PREFIX)
+        ):
+            log.error("call whose answer goes to %r; terminating it", inbox or result_subject)
             await msg.term()
             return
         try:
