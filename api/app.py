@@ -74,6 +74,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             ledger = Ledger(settings.database_url, max_queue=settings.ledger_queue)
             await ledger.start()
             metrics.watch_ledger(ledger)
+            metrics.watch_replies(replies)
             state = admission_state(settings)
             await _require_noeviction(state)
             admitter = Admitter(

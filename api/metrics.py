@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from api.replies import ReplyRouter
 from broker.admission.metrics import AdmissionMetrics
 from broker.admission.signals import FleetSignals
 from broker.ledger import Ledger
@@ -81,6 +82,20 @@ class _LedgerCollector(Collector):
         yield from (dropped, written, queued)
 
 
+class _OpenCallsCollector(Collector):
+    def __init__(self, replies: ReplyRouter) -> None:
+        self._replies = replies
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        # Zero once the traffic stops, whatever ended the calls (their last event, an error,
+        # a disconnected caller): a call still followed then is a leak.
+        open_calls = GaugeMetricFamily(
+            "kvgate_calls_open", "Calls this front door is following (open reply streams)"
+        )
+        open_calls.add_metric([], self._replies.open_calls)
+        yield open_calls
+
+
 class FrontDoorMetrics:
     def __init__(self, signals: FleetSignals) -> None:
         self.registry = CollectorRegistry()
@@ -136,3 +151,6 @@ class FrontDoorMetrics:
 
     def watch_ledger(self, ledger: Ledger) -> None:
         self.registry.register(_LedgerCollector(ledger))
+
+    def watch_replies(self, replies: ReplyRouter) -> None:
+        self.registry.register(_OpenCallsCollector(replies))
