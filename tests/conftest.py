@@ -14,7 +14,7 @@ from broker.procs import Proc, wait_http
 from kvgate.cli import COMMAND
 from tests.otlp import OtlpHttpReceiver, SpanStore
 from tests.procs import start_api, start_worker
-from tests.redisserver import RedisServer
+from tests.servers import RedisServer
 
 
 @pytest.fixture
@@ -25,11 +25,10 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
 
 
 @pytest.fixture
-async def redis_server(tmp_path: Path) -> AsyncIterator[RedisServer]:
-    """A Redis server of the test's own on a free port (a fault test may stop or restart it)."""
-    server = RedisServer(tmp_path / "redis")
-    server.directory.mkdir()
-    await server.start()
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis of the test's own on a free port, which the test may stop and start again
+    (never the shared one on 6379)."""
+    server = RedisServer(tmp_path / "redis").start()
     try:
         yield server
     finally:

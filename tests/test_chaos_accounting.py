@@ -1,0 +1,52 @@
+"""The chaos suite's accounting (tests/chaos.py) catches what it is there to catch: each check
+fed a case broken on purpose, with no server."""
+
+from __future__ import annotations
+
+from tests.chaos import MUST_BE_ZERO, Kind, Outcome, at_rest, check_answers
+
+
+def call(call_id: str, **fields: object) -> Outcome:
+    outcome = Outcome(Kind.PLAIN_CALL, "standard", 0.0, call_id=call_id, status=200, answers=1)
+    for name, value in fields.items():
+        setattr(outcome, name, value)
+    return outcome
+
+
+def test_calls_answered_once_or_told_why_pass() -> None:
+    outcomes = [
+        call("a"),
+        call("b", answers=0, status=503, code="admission_unavailable", retry_after=5),
+        call("c", answers=0, disconnected=True),
+    ]
+    assert check_answers(outcomes) == []
+
+
+def test_each_broken_case_is_caught() -> None:
+    broken = {
+        "answered 2 times": call("a", answers=2),
+        "neither answered nor told why": call("b", answers=0, status=200),
+        "unclear error 'internal_error'": call("c", answers=0, status=500, code="internal_error"),
+        "transport": call("d", answers=0, problem="transport: ReadError"),
+        "answered and also told": call("e", code="worker_lost"),
+    }
+    for expected, outcome in broken.items():
+        faults = check_answers([outcome])
+        assert len(faults) == 1 and expected in faults[0], (expected, faults)
+    assert check_answers([call("x"), call("x")]) == ["call id x seen 2 times"]
+    opened = Outcome(Kind.SESSION_OPEN, "standard", 0.0, session_id="s1", answers=1)
+    assert check_answers([opened]) == ["session s1 never closed"]
+
+
+def test_rest_needs_every_holding_at_zero_and_every_call_ended_once() -> None:
+    quiet = {name: 0 for name in MUST_BE_ZERO} | {
+        "workers_live": 1,
+        "worker_ended": 7,
+        "js_calls_published": 7,
+    }
+    assert at_rest(quiet)
+    for name in MUST_BE_ZERO:
+        assert not at_rest(quiet | {name: 1}), name
+    assert not at_rest(quiet | {"worker_ended": 8})  # a call ended twice
+    assert not at_rest(quiet | {"worker_ended": 6})  # a call lost
+    assert not at_rest(quiet | {"workers_live": 0})
