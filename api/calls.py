@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
+import anyio
 from nats.aio.client import Client as NATS
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -153,7 +154,9 @@ async def follow_call(
         observed.ended("abandoned")
         line.replies.close(call.call_id)
         if not finished:
-            with contextlib.suppress(Exception):
+            # Shielded: a disconnected streaming client's cancel scope would cut the publish,
+            # and the worker would only learn from its next probe that nobody waits.
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await line.nc.publish(f"{CANCEL_SUBJECT_PREFIX}{call.call_id}", b"")
         if stream_span is not None:
             stream_span.end()

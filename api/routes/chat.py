@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+import anyio
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -233,15 +234,24 @@ async def _admitted_call(
 ) -> AsyncGenerator[list[ReplyEvent] | Restarted, None]:
     """The call's events, run inside one of its session's call slots; a one-call session
     ends with its call."""
+    slot = contextlib.AsyncExitStack()
     try:
-        async with door.leases.call_slot(record, call.call_id, call.deadline_ms, charge):
-            events = follow_call(door.calls, call, objective, session_calls=record.expected_calls)
-            async with contextlib.aclosing(events):
-                async for item in events:
-                    yield item
+        await slot.enter_async_context(
+            door.leases.call_slot(record, call.call_id, call.deadline_ms, charge)
+        )
+        events = follow_call(door.calls, call, objective, session_calls=record.expected_calls)
+        async with contextlib.aclosing(events):
+            async for item in events:
+                yield item
     finally:
-        if one_call:
-            await door.leases.end_one_call_session(record)
+        # A streamed call's client that disconnects cancels the response (Starlette's AnyIO
+        # cancel scope), and the scope cancels again at every await after that: unshielded,
+        # these releases would be cut at their first round trip to Redis, leaving the slot
+        # and the one-call session held in the admission state until the call's deadline.
+        with anyio.CancelScope(shield=True):
+            await slot.aclose()
+            if one_call:
+                await door.leases.end_one_call_session(record)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
