@@ -141,6 +141,7 @@ class MixedLoad:
     batch_custom_ids: list[str] = field(default_factory=list)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _closers: list[asyncio.Task[None]] = field(default_factory=list)
 
     def client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(
@@ -165,6 +166,7 @@ class MixedLoad:
         self._stop.set()
         try:
             await asyncio.gather(*self._tasks)
+            await asyncio.gather(*self._closers)
         finally:
             await self._client.aclose()
 
@@ -212,7 +214,9 @@ class MixedLoad:
         )
         await self._call(Kind.SESSION_CALL, tier, stream=False, headers=headers)
         await self._call(Kind.SESSION_CALL, tier, stream=True, headers=headers)
-        await self._close(session["id"], tier)
+        # Closed in the background: an agent told to retry its close later goes on with its
+        # next session meanwhile.
+        self._closers.append(asyncio.create_task(self._close(session["id"], tier)))
 
     async def _close(self, session_id: str, tier: str) -> None:
         """Close the session, retrying while the front door cannot (503): an agent that
@@ -509,9 +513,12 @@ class RedisHoldings:
         p = self.prefix
         raw = await self.client.hgetall(f"{p}:totals")
         totals = [(str(k), int(v)) for k, v in raw.items()]
+        # Slots count where their session still holds a lease: a closed session's slots key
+        # holds no capacity and expires with its calls' deadlines.
+        leased = {str(sid) for sid in await self.client.hkeys(f"{p}:leases")}
         slots = 0
-        async for key in self.client.scan_iter(f"{p}:slots:*"):
-            slots += await self.client.zcard(key)
+        for sid in leased:
+            slots += await self.client.zcard(f"{p}:slots:{sid}")
 
         def total(kind: str) -> int:
             return sum(v for k, v in totals if k.startswith(f"{kind}:"))

@@ -12,6 +12,7 @@ through it again, and no lease, reservation or call slot is left behind or count
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,14 +21,18 @@ import pytest
 from broker.natsserver import EmbeddedNats
 from tests.calls import chat_body
 from tests.chaos import (
+    API_KEY,
     LONG_TOKENS,
     MODEL,
     ChaosStack,
     Kind,
     Outcome,
     chaos_stack,
+    check_answers,
+    check_batch,
     redis_reader,
     summary,
+    time_until_admitted,
     wait_for_zero,
 )
 from tests.polling import poll_until
@@ -68,6 +73,76 @@ def ok_after(outcomes: list[Outcome], since_s: float, kind: Kind, tier: str) -> 
     return sum(
         1 for o in outcomes if o.started_s >= since_s and o.kind is kind and o.tier == tier and o.ok
     )
+
+
+async def test_a_redis_restart_mid_load_loses_no_call_and_leaks_no_lease(
+    stack: ChaosStack, redis_server: RedisServer
+) -> None:
+    load = stack.load()
+    await load.start()
+    await load.run_for(WARMUP_S)
+    redis_server.stop()  # SIGTERM: Redis saves its data set and exits
+    redis_server.start()
+    back_s = time.monotonic()
+    recovered_s = await time_until_admitted(
+        stack.base_url, API_KEY, "standard", timeout_s=RECOVERY_BOUND_S
+    )
+    await load.run_for(AFTER_S)
+    await load.stop()
+    report("redis restart", load.outcomes, recovered=recovered_s)
+    assert check_answers(load.outcomes) == []
+    await check_batch(load)
+    settled_s, readings = await wait_for_zero(stack.rest)
+    print(f"back to zero after {settled_s:.2f} s")
+    outcomes = load.outcomes
+    for kind in (Kind.SESSION_CALL, Kind.PLAIN_CALL):
+        for tier in ("guaranteed", "standard"):
+            assert ok_after(outcomes, back_s + recovered_s, kind, tier) > 0, (kind, tier)
+    assert readings["js_calls_published"] > 0
+
+
+async def test_redis_down_for_30s_degrades_per_tier_then_recovers_with_no_lease_leaked(
+    stack: ChaosStack, redis_server: RedisServer
+) -> None:
+    load = stack.load()
+    await load.start()
+    await load.run_for(WARMUP_S)
+    redis_server.stop()
+    down_s = time.monotonic()
+    await load.run_for(DOWN_S)
+    redis_server.start()
+    up_s = time.monotonic()
+    recovered_s = await time_until_admitted(
+        stack.base_url, API_KEY, "standard", timeout_s=RECOVERY_BOUND_S
+    )
+    await load.run_for(AFTER_S)
+    await load.stop()
+    report("redis down 30 s", load.outcomes, recovered=recovered_s)
+    assert check_answers(load.outcomes) == []
+    await check_batch(load)
+    settled_s, readings = await wait_for_zero(stack.rest)
+    print(f"back to zero after {settled_s:.2f} s")
+
+    during = [o for o in load.outcomes if o.during(down_s + TIMEOUT_GRACE_S, up_s)]
+
+    def seen(kind: Kind, tier: str) -> list[Outcome]:
+        return [o for o in during if o.kind is kind and o.tier == tier and not o.disconnected]
+
+    # Guaranteed: admitted against the local budget, and its calls served.
+    opened = seen(Kind.SESSION_OPEN, "guaranteed")
+    assert opened and all(o.ok and o.reason == "admitted_degraded" for o in opened), opened
+    degraded = {o.session_id for o in opened}
+    calls = [o for o in seen(Kind.SESSION_CALL, "guaranteed") if o.session_id in degraded]
+    assert all(o.ok for o in calls), calls
+    assert all(o.ok for o in seen(Kind.PLAIN_CALL, "guaranteed"))
+    # Standard: deferred with Retry-After, sessions and plain calls alike.
+    for kind in (Kind.SESSION_OPEN, Kind.PLAIN_CALL):
+        refused = seen(kind, "standard")
+        assert refused, kind
+        assert all(o.code == "admission_unavailable" and o.retry_after for o in refused), refused
+    # After: admitted through Redis again.
+    assert ok_after(load.outcomes, up_s + recovered_s, Kind.SESSION_CALL, "standard") > 0
+    assert readings["js_calls_published"] > 0
 
 
 RELEASE_BOUND_S = 10.0
