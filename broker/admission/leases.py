@@ -8,6 +8,10 @@ unreachable). Every release wakes the sessions held for room on this replica
 Calls beyond a session's ``max_parallel`` wait in ``SlotWaiters`` (bounded, woken one per freed
 slot): by this replica when one of its calls ends, by the shared state's release feed
 (``start``) when a call ends on another.
+
+A release that cannot reach the shared state (Redis down as a call ends) is owed, not dropped:
+it is tried again every ``RETRY_RELEASES_S`` until the state answers, so a call slot or a plain
+call's session is not held until its deadline by an outage that ended long before.
 """
 
 from __future__ import annotations
@@ -35,6 +39,16 @@ from schemas.vocab import Decision, SessionState
 
 log = logging.getLogger(__name__)
 
+RETRY_RELEASES_S = 1.0
+"""How often owed releases are tried again while the shared state is unreachable."""
+MAX_OWED_RELEASES = 100_000
+"""Beyond this many, the oldest owed release is given up (its lease still ends at its expiry,
+which the state enforces by itself): an outage must not grow this replica's memory unbounded."""
+
+OwedRelease = tuple[str, str | None]
+"""A session id and the call whose slot is owed back, or ``None``: the whole (one-call)
+session."""
+
 
 class SessionLeases:
     def __init__(self, admitter: Admitter) -> None:
@@ -42,17 +56,59 @@ class SessionLeases:
         settings = admitter.settings
         self.waiters = SlotWaiters(settings.session_max_waiting_calls, settings.max_waiting_calls)
         self._feed: asyncio.Task[None] | None = None
+        self._retrier: asyncio.Task[None] | None = None
+        self._owed: dict[OwedRelease, None] = {}
+        """Releases the shared state did not take, oldest first (a dict: an ordered set)."""
+
+    @property
+    def owed_releases(self) -> int:
+        return len(self._owed)
 
     def start(self) -> None:
         """Follow the shared state's release feed, so that a call ending on another replica
-        wakes a call waiting here at once."""
+        wakes a call waiting here at once; try owed releases again."""
         self._feed = asyncio.create_task(self._follow_releases())
+        self._retrier = asyncio.create_task(self._retry_releases())
 
     async def stop(self) -> None:
-        if self._feed is not None:
-            self._feed.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._feed
+        for task in (self._feed, self._retrier):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _release(self, owed: OwedRelease) -> bool:
+        """Give ``owed`` back to the shared state; ``False`` where it could not be reached
+        (the release is then owed). Releasing twice releases once."""
+        session_id, call_id = owed
+        store = self.admitter.store_for(session_id)
+        now_ms = int(time.time() * 1000)
+        try:
+            if call_id is None:
+                await store.release(session_id, SessionState.CLOSED, now_ms)
+            else:
+                await store.release_call(session_id, call_id, now_ms)
+        except AdmissionUnavailable:
+            if len(self._owed) >= MAX_OWED_RELEASES:
+                self._owed.pop(next(iter(self._owed)))
+            if not self._owed:
+                log.warning("admission state unreachable: releases are owed until it is back")
+            self._owed[owed] = None
+            return False
+        return True
+
+    async def _retry_releases(self) -> None:
+        while True:
+            await asyncio.sleep(RETRY_RELEASES_S)
+            for owed in list(self._owed):
+                del self._owed[owed]
+                if not await self._release(owed):
+                    break  # still unreachable: the rest wait for the next round
+                session_id, call_id = owed
+                if call_id is None:
+                    self.admitter.room_freed(session_id)
+                else:
+                    self.waiters.call_ended(session_id)
 
     async def _follow_releases(self) -> None:
         try:
@@ -157,14 +213,10 @@ class SessionLeases:
         try:
             yield current or record
         finally:
-            with contextlib.suppress(AdmissionUnavailable):
-                await store.release_call(record.id, call_id, int(time.time() * 1000))
+            await self._release((record.id, call_id))
             self.waiters.call_ended(record.id)
 
     async def end_one_call_session(self, record: SessionRecord) -> None:
         """Release a plain call's one-call session once its call has ended."""
-        with contextlib.suppress(AdmissionUnavailable):
-            await self.admitter.store_for(record.id).release(
-                record.id, SessionState.CLOSED, int(time.time() * 1000)
-            )
+        await self._release((record.id, None))
         self.admitter.room_freed(record.id)
