@@ -68,6 +68,11 @@ class RedisServer:
         finally:
             client.close()
 
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None, "not running"
+        return self._proc.pid
+
     def stop(self) -> None:
         if self._proc is not None:
             self._proc.stop()
