@@ -79,6 +79,10 @@ class ApiSettings(BaseSettings):
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     # After the first event of a call, the longest silence tolerated from its worker.
     stream_idle_timeout_s: float = Field(default=60.0, gt=0)
+    # A streaming client that takes none of what was sent to it for this long is cut off, and
+    # its call cancelled (api/streaming.py): it would otherwise hold its task, its buffer and
+    # its call's output for as long as the socket stays open.
+    stream_send_timeout_s: float = Field(default=30.0, gt=0)
     heartbeat_max_age_s: float = Field(default=6.0, gt=0)
     # Bearer token for /v1/admin/*; not a tenant key. Unset: admin endpoints answer 401.
     admin_token: str | None = None

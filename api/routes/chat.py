@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from api.bodies import read_body
@@ -40,6 +40,7 @@ from api.errors import anthropic_error_body, error_body
 from api.frontdoor import FrontDoor
 from api.openapi import Responses, codes_below, error_responses, json_body
 from api.replies import ReplyEvent
+from api.streaming import SseResponse
 from broker.admission import needs
 from broker.admission.objectives import Objective
 from broker.admission.state import CallCharge, SessionRecord
@@ -217,9 +218,9 @@ async def _serve_call(
         raise failure_error(first[0])
     if isinstance(first, list) and (worker_id := _worker_of(first)) is not None:
         headers[WORKER_ID_HEADER] = worker_id
-    return StreamingResponse(
+    return SseResponse(
         _sse(first, events, call.endpoint),
-        media_type="text/event-stream",
+        send_timeout_s=settings.stream_send_timeout_s,
         headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
