@@ -83,6 +83,10 @@ class ApiSettings(BaseSettings):
     # its call cancelled (api/streaming.py): it would otherwise hold its task, its buffer and
     # its call's output for as long as the socket stays open.
     stream_send_timeout_s: float = Field(default=30.0, gt=0)
+    # Connections (and requests in flight) one front door holds at once; beyond, uvicorn answers
+    # 503 at once rather than taking on work it has no memory for. Each streaming call holds one
+    # for its whole length.
+    max_connections: int = Field(default=8192, ge=1)
     heartbeat_max_age_s: float = Field(default=6.0, gt=0)
     # Bearer token for /v1/admin/*; not a tenant key. Unset: admin endpoints answer 401.
     admin_token: str | None = None

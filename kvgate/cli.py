@@ -161,6 +161,7 @@ def cmd_api(args: argparse.Namespace) -> int:
             log_level=args.log_level.lower(),
             log_config=None,  # uvicorn's loggers go through kvgate's (JSON) handler
             timeout_graceful_shutdown=10,
+            limit_concurrency=settings.max_connections,
         )
     finally:
         shutdown_tracing()

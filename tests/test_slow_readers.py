@@ -33,6 +33,8 @@ CUT_BOUND_S = 60.0
 """For the stalled client to be cut off and its call to end: the answer must first fill the
 buffers (~10-15 s of the engine's output here), then one write waits ``SEND_TIMEOUT_S``.
 Without the send timeout the front door follows the call for as long as the socket is open."""
+IDLE_HELD = 4
+"""Connections a test's front door may hold at once (``KVGATE_MAX_CONNECTIONS``)."""
 
 
 @pytest.fixture
@@ -96,3 +98,22 @@ async def test_a_client_that_stops_reading_is_cut_off_and_its_call_cancelled(
         async with httpx.AsyncClient(base_url=base, timeout=CUT_BOUND_S) as client:
             answer = await client.post("/v1/chat/completions", json=chat_body(model=MODEL))
         assert answer.status_code == 200, answer.text
+
+
+async def test_connections_past_the_limit_are_refused_at_once(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    proc, base = start_api(nats_server.url, tmp_path, KVGATE_MAX_CONNECTIONS=str(IDLE_HELD))
+    host, port = base.removeprefix("http://").split(":")
+    held = []
+    try:
+        for _ in range(IDLE_HELD):  # clients that connect and send nothing (slowloris)
+            held.append(await asyncio.open_connection(host, int(port)))
+        async with httpx.AsyncClient(base_url=base, timeout=CUT_BOUND_S) as client:
+            refused = await client.get("/healthz")
+        assert refused.status_code == 503
+    finally:
+        for _, writer in held:
+            writer.close()
+        proc.stop()
+
