@@ -116,4 +116,3 @@ async def test_connections_past_the_limit_are_refused_at_once(
         for _, writer in held:
             writer.close()
         proc.stop()
-
