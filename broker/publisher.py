@@ -1,8 +1,16 @@
 """Publish admitted calls onto their tier's and model's JetStream subject, with the deadline
-attached."""
+attached.
+
+A publish whose acknowledgement does not come (a server slow under a burst, a connection being
+re-established) is sent again, up to ``PUBLISH_ATTEMPTS`` times and never past the call's
+deadline: the call id is the message id (``Nats-Msg-Id``), so the stream keeps one copy
+whichever of the attempts landed, and the caller gets the one sequence. Only then is it
+``broker_unavailable``.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Mapping
 
@@ -15,6 +23,9 @@ from schemas.wire import STREAM_NAME, WIRE_VERSION, CallEnvelope, Header, call_s
 
 # JetStream API error codes (server's `err_code`) that mean the stream is at its limits.
 _STREAM_FULL_CODES = frozenset({10077, 10047, 10028})
+PUBLISH_ATTEMPTS = 4
+RETRY_BACKOFF_S = 0.25
+"""The wait before the second attempt; doubled before each next one."""
 
 
 def call_headers(
@@ -61,22 +72,33 @@ class CallPublisher:
         if remaining_ms <= 0:
             raise DeadlineExceeded("the call's deadline passed before it was queued")
         ttl_s = max(1, math.ceil(remaining_ms / 1000))
-        try:
-            ack = await self._js.publish(
-                call_subject(call.tier, call.model),
-                encode(call),
-                timeout=self._timeout,
-                stream=STREAM_NAME,
-                headers={
-                    **call_headers(call, reply_inbox, result_subject),
-                    **(trace_headers or {}),
-                },
-                msg_ttl=ttl_s,
-            )
-        except APIError as exc:
-            if exc.err_code in _STREAM_FULL_CODES:
-                raise QueueFull(f"the {call.tier.value} queue is full: {exc.description}") from exc
-            raise BrokerUnavailable(f"JetStream refused the call: {exc.description}") from exc
-        except (TimeoutError, NoStreamResponseError, nats.errors.Error) as exc:
-            raise BrokerUnavailable(f"JetStream did not accept the call: {exc!r}") from exc
-        return int(ack.seq)
+        headers = {**call_headers(call, reply_inbox, result_subject), **(trace_headers or {})}
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + remaining_ms / 1000
+        backoff_s = RETRY_BACKOFF_S
+        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            try:
+                ack = await self._js.publish(
+                    call_subject(call.tier, call.model),
+                    encode(call),
+                    timeout=max(0.001, min(self._timeout, give_up_at - loop.time())),
+                    stream=STREAM_NAME,
+                    headers=headers,
+                    msg_ttl=ttl_s,
+                )
+            except APIError as exc:
+                if exc.err_code in _STREAM_FULL_CODES:
+                    raise QueueFull(
+                        f"the {call.tier.value} queue is full: {exc.description}"
+                    ) from exc
+                raise BrokerUnavailable(f"JetStream refused the call: {exc.description}") from exc
+            except (TimeoutError, NoStreamResponseError, nats.errors.Error) as exc:
+                if attempt == PUBLISH_ATTEMPTS or loop.time() + backoff_s >= give_up_at:
+                    raise BrokerUnavailable(
+                        f"JetStream did not accept the call in {attempt} attempts: {exc!r}"
+                    ) from exc
+                await asyncio.sleep(backoff_s)
+                backoff_s *= 2
+                continue
+            return int(ack.seq)
+        raise AssertionError("unreachable: the last attempt returns or raises")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from pathlib import Path
 
+import nats
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js import api as js_api
@@ -11,6 +14,8 @@ from nats.js.errors import KeyNotFoundError
 
 from broker.errors import DeadlineExceeded, QueueFull
 from broker.lag import fleet_lag
+from broker.natsserver import EmbeddedNats
+from broker.procs import free_port
 from broker.publisher import CallPublisher
 from broker.settings import StreamSettings
 from broker.streams import provision_calls, stream_config, workers_bucket
@@ -184,3 +189,30 @@ async def test_lag_sums_every_models_queue_at_a_tier(nc: NATS) -> None:
     assert (rows[Tier.GUARANTEED].pending, rows[Tier.BESTEFFORT].pending) == (1, 0)
     assert rows[Tier.BESTEFFORT].oldest_pending_age_s is None
     await delivered.ack()
+
+
+DOWN_S = 2.5
+"""Longer than the publisher's wait for one acknowledgement (2 s): the first attempt times out."""
+
+
+async def test_a_call_published_while_the_server_restarts_lands_once(tmp_path: Path) -> None:
+    port = free_port()
+    store = tmp_path / "nats"
+    server = EmbeddedNats(store, port=port, log_file=tmp_path / "nats.log").start()
+    nc = await nats.connect(server.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
+    try:
+        js = nc.jetstream()
+        await provision_calls(js, StreamSettings(), MODEL)
+        server.stop()
+        call = make_call("across-restart")
+        publish = asyncio.create_task(
+            CallPublisher(js).publish(call, "_INBOX.x", now_ms=call.created_ms)
+        )
+        await asyncio.sleep(DOWN_S)
+        server = EmbeddedNats(store, port=port, log_file=tmp_path / "nats-2.log").start()
+        seq = await publish
+        info = await js.stream_info(STREAM_NAME)
+        assert (info.state.messages, info.state.last_seq) == (1, seq)
+    finally:
+        await nc.close()
+        server.stop()
