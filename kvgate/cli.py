@@ -153,6 +153,13 @@ def cmd_api(args: argparse.Namespace) -> int:
     from broker.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("kvgate-api")
+    # uvicorn shuts down gracefully on SIGTERM and SIGINT, then raises the signal again under
+    # the handlers it found installed: under the defaults, a clean stop would end as "killed
+    # by SIGTERM" (143) or a KeyboardInterrupt. This handler takes that second delivery (and
+    # one before uvicorn took over, when nothing is running yet) and exits 0, as `kvgate
+    # worker` and `kvgate nats` do.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_cleanly)
     try:
         uvicorn.run(
             create_app(settings),
@@ -166,6 +173,10 @@ def cmd_api(args: argparse.Namespace) -> int:
     finally:
         shutdown_tracing()
     return 0
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
 
 
 def cmd_workers(args: argparse.Namespace) -> int:

@@ -153,8 +153,9 @@ async def stream_is_empty(url: str) -> bool:
         await nc.close()
 
 
-async def test_sigterm_finishes_running_calls_and_exits_zero(
-    faults: FaultStack, fleet: FleetSampler
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+async def test_a_stop_signal_finishes_running_calls_and_exits_zero(
+    faults: FaultStack, fleet: FleetSampler, sig: signal.Signals
 ) -> None:
     async with (
         httpx.AsyncClient(base_url=faults.base_url, timeout=CLIENT_TIMEOUT_S) as client,
@@ -167,7 +168,7 @@ async def test_sigterm_finishes_running_calls_and_exits_zero(
         # Stop the first worker to start one of the calls, while that call runs.
         name = await first_tokens.next_worker()
         worker = faults.workers[name]
-        worker.signal(signal.SIGTERM)
+        worker.signal(sig)
         # The draining worker takes no new work: a call sent now is served by the other one.
         after = await client.post("/v1/chat/completions", json=body(20))
         replies = await asyncio.gather(*calls)

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 
 from broker.procs import Proc, free_port, wait_http
 from kvgate.cli import COMMAND
@@ -36,7 +37,10 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def test_up_serves_and_ctrl_c_stops_every_process(tmp_path: Path, dev_model: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_up_serves_and_a_signal_stops_every_process(
+    tmp_path: Path, dev_model: Path, sig: signal.Signals
+) -> None:
     port = free_port()
     up = Proc(
         "up",
@@ -55,8 +59,9 @@ def test_up_serves_and_ctrl_c_stops_every_process(tmp_path: Path, dev_model: Pat
 
         started = descendants(up.pid)
         assert len(started) >= 3  # nats-server, worker (+ its engine core), api
-        # Ctrl-C in a terminal signals the whole foreground group, here `up`'s own, while a
-        # call streams: the call still ends whole, so NATS outlived the worker's drain.
+        # Ctrl-C in a terminal signals the whole foreground group, here `up`'s own (a
+        # supervisor's SIGTERM too, here), while a call streams: the call still ends whole, so
+        # NATS outlived the worker's drain.
         stream = client.chat.completions.create(
             model="kvgate-dev",
             messages=[{"role": "user", "content": "hi"}],
@@ -67,7 +72,7 @@ def test_up_serves_and_ctrl_c_stops_every_process(tmp_path: Path, dev_model: Pat
         )
         chunks = iter(stream)
         next(chunks)  # the call is running
-        os.killpg(up.pid, signal.SIGINT)
+        os.killpg(up.pid, sig)
         usage = [chunk.usage for chunk in chunks if chunk.usage is not None]
         assert [u.completion_tokens for u in usage] == [64]
         client.close()
