@@ -87,6 +87,9 @@ class ApiSettings(BaseSettings):
     # 503 at once rather than taking on work it has no memory for. Each streaming call holds one
     # for its whole length.
     max_connections: int = Field(default=8192, ge=1)
+    # A request's head (request line and headers) past this is refused, 431, and its connection
+    # closed (api/http.py): the bytes a client sends before its headers end are held in memory.
+    max_head_bytes: int = Field(default=64 << 10, ge=4096)
     heartbeat_max_age_s: float = Field(default=6.0, gt=0)
     # Bearer token for /v1/admin/*; not a tenant key. Unset: admin endpoints answer 401.
     admin_token: str | None = None

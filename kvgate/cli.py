@@ -150,6 +150,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.app import create_app
+    from api.http import bounded_head_protocol
     from broker.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("kvgate-api")
@@ -169,6 +170,7 @@ def cmd_api(args: argparse.Namespace) -> int:
             log_config=None,  # uvicorn's loggers go through kvgate's (JSON) handler
             timeout_graceful_shutdown=10,
             limit_concurrency=settings.max_connections,
+            http=bounded_head_protocol(settings.max_head_bytes),
         )
     finally:
         shutdown_tracing()
