@@ -71,8 +71,9 @@ async def follow_call(
     A call with an ``objective`` is judged against it when it ends, for admission, as one of
     the ``session_calls`` its session declared.
 
-    Raises ``KvgateError`` (from publishing, or a timeout); a worker's ``Failed`` event is
-    yielded like any other, since what it means depends on what the client already has.
+    Raises ``KvgateError`` (from publishing, a timeout, or ``WorkerLost`` when a streamed
+    call's reply events were lost in transit); a worker's ``Failed`` event is yielded like any
+    other, since what it means depends on what the client already has.
     """
     stream = line.replies.open(call.call_id)
     finished = False
@@ -131,6 +132,13 @@ async def follow_call(
                 raise WorkerLost(
                     f"the worker sent nothing for {line.stream_idle_timeout_s:g}s",
                 ) from None
+            if call.stream and stream.lost:
+                # The client would get an answer with a hole in it, told it was complete.
+                # Not streamed, the lost events were progress only: the body comes whole.
+                raise WorkerLost(
+                    f"{stream.lost} of the call's reply events were lost on the way "
+                    "(the connection to NATS dropped)"
+                )
             observed.events(batch)
             current: list[ReplyEvent] = []
             for event in batch:

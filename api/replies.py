@@ -4,6 +4,11 @@ Each call gets the inbox ``<prefix>.<call id>``; a single wildcard subscription 
 to the call's ``ReplyStream``. Events the caller has already seen (same attempt and sequence)
 are dropped here, and events of an attempt older than the newest one seen are ignored, so a
 slow duplicate from a worker that lost its call never reaches the client.
+
+Core NATS keeps one publisher's messages in order but does not redeliver: events in flight
+when a connection drops (a NATS server restart) are lost. A sequence number skipped is such a
+loss, and it is counted (``ReplyStream.lost``), never passed over: a stream missing a token
+event is a corrupt answer.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ class ReplyStream:
         self.inbox = inbox
         self.attempt = 0
         self._next_seq = 0
+        self.lost = 0
+        """Events of the current attempt that never arrived (sequence numbers skipped)."""
         self._pending: deque[ReplyEvent] = deque()
         self._ready = asyncio.Event()
 
@@ -39,8 +46,10 @@ class ReplyStream:
         if event.attempt > self.attempt:
             self.attempt = event.attempt
             self._next_seq = 0
+            self.lost = 0
         if event.seq < self._next_seq:
             return  # duplicate
+        self.lost += event.seq - self._next_seq
         self._next_seq = event.seq + 1
         self._pending.append(event)
         self._ready.set()

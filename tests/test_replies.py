@@ -1,13 +1,33 @@
-"""Reply ordering rules in the front door: duplicates dropped, stale attempts ignored."""
+"""Reply ordering rules in the front door: duplicates dropped, stale attempts ignored, lost
+events counted and a streamed call with a hole in its answer ended with ``worker_lost``."""
 
 from __future__ import annotations
 
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
-from api.replies import ReplyRouter, ReplyStream
+from api.calls import CallLine, Restarted, follow_call
+from api.metrics import FrontDoorMetrics
+from api.replies import ReplyEvent, ReplyRouter, ReplyStream
+from broker.admission.signals import FleetSignals
+from broker.errors import WorkerLost
+from broker.fleet import FleetView
+from broker.publisher import CallPublisher
+from broker.settings import StreamSettings
+from broker.streams import provision_calls
 from schemas.vocab import ErrorCode, FinishReason
-from schemas.wire import Done, Failed, TokenDelta, Usage, decode_event, encode
+from schemas.wire import (
+    Done,
+    Failed,
+    Header,
+    TokenDelta,
+    Usage,
+    call_subject,
+    decode_event,
+    encode,
+)
+from tests.calls import make_call
 from workers.relay import ReplyRelay
 
 PROBE_TIMEOUT_S = 10.0
@@ -39,6 +59,17 @@ async def test_a_newer_attempt_supersedes_and_older_events_are_ignored() -> None
         (2, "x"),
         (2, "y"),
     ]
+
+
+async def test_skipped_sequence_numbers_count_as_lost_for_their_attempt() -> None:
+    stream = ReplyStream("c", "inbox")
+    for event in (tok(0, "a"), tok(2, "c"), tok(5, "f")):
+        stream.feed(event)
+    assert stream.lost == 3
+    stream.feed(tok(0, "x", attempt=2))  # a new attempt starts over
+    assert stream.lost == 0
+    stream.feed(tok(2, "z", attempt=3))  # its first two events never came
+    assert stream.lost == 2
 
 
 async def test_waiting_with_nothing_times_out() -> None:
@@ -79,3 +110,55 @@ async def test_a_worker_learns_whether_its_caller_still_waits(nc: NATS) -> None:
     router.open("c1")
     await router.stop()  # the front door died
     assert await relay.caller_gone(timeout_s=PROBE_TIMEOUT_S)
+
+
+EVENT_TIMEOUT_S = 10.0
+"""For a call's events to reach the front door over a local NATS: generous for a loaded host."""
+
+
+async def followed(nc: NATS, *, stream: bool, events: list[ReplyEvent]) -> list[ReplyEvent]:
+    """Publish a call through ``follow_call`` on real NATS, answer it with ``events`` as its
+    worker would (some of them lost on the way), and return what the front door yields."""
+    await provision_calls(nc.jetstream(), StreamSettings())
+    router = ReplyRouter(nc)
+    await router.start()
+    line = CallLine(
+        CallPublisher(nc.jetstream()),
+        router,
+        nc,
+        stream_idle_timeout_s=EVENT_TIMEOUT_S,
+        metrics=FrontDoorMetrics(FleetSignals(FleetView(6.0))),
+        judge=lambda *_: None,
+    )
+    call = make_call("gap", stream=stream)
+    seen: list[ReplyEvent] = []
+
+    async def worker(msg: Msg) -> None:
+        assert msg.headers is not None
+        for event in events:
+            await nc.publish(msg.headers[Header.REPLY], encode(event))
+
+    # A core subscription on the call's subject gets the call as the stream stores it.
+    sub = await nc.subscribe(call_subject(call.tier, call.model), cb=worker)
+    try:
+        async for item in follow_call(line, call):
+            assert not isinstance(item, Restarted)
+            seen += item
+    finally:
+        await sub.unsubscribe()
+        await router.stop()
+    return seen
+
+
+async def test_a_streamed_call_missing_a_reply_event_ends_with_worker_lost(nc: NATS) -> None:
+    """Event 1 (a token) was lost, as when the worker's connection dropped with it unsent:
+    the client must not get the rest of the answer as if it were whole."""
+    done = Done(3, 1, FinishReason.LENGTH, Usage(3, 3))
+    with pytest.raises(WorkerLost, match="1 of the call's reply events were lost"):
+        await followed(nc, stream=True, events=[tok(0, "a"), tok(2, "c"), done])
+
+
+async def test_a_plain_call_missing_a_progress_event_still_gets_its_whole_body(nc: NATS) -> None:
+    done = Done(2, 1, FinishReason.LENGTH, Usage(3, 3), body=b"{}")
+    seen = await followed(nc, stream=False, events=[tok(0, ""), done])
+    assert seen[-1] == done
