@@ -8,6 +8,7 @@ test)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -65,6 +66,33 @@ async def test_after_a_nats_restart_the_front_door_sees_the_worker_again(tmp_pat
             )
             assert after.json()["usage"]["completion_tokens"] == 4
         # Leaving the block drained the worker (its last heartbeat, its removal) without error.
+    finally:
+        proc.stop()
+        server.stop()
+
+
+READYZ_BOUND_S = 2.0
+"""How long /readyz may take to answer while the NATS server is away: at once, with a loaded
+machine's slack, well under the 5 s a JetStream request waits before it times out."""
+
+
+async def test_while_the_nats_server_is_away_readyz_answers_503_at_once(tmp_path: Path) -> None:
+    server = EmbeddedNats(tmp_path / "nats", log_file=tmp_path / "nats.log").start()
+    proc, base = start_api(server.url, tmp_path, KVGATE_SERVED_MODEL_NAME=MODEL)
+    try:
+        server.stop()
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            await poll_until(
+                lambda: client.get("/readyz"),
+                lambda r: r.json()["checks"]["nats"] is False,
+                timeout_s=RECOVERY_BOUND_S,
+            )
+            started = time.monotonic()
+            resp = await client.get("/readyz")
+            took_s = time.monotonic() - started
+        assert resp.status_code == 503
+        assert resp.json()["checks"]["stream"] is False
+        assert took_s < READYZ_BOUND_S, took_s
     finally:
         proc.stop()
         server.stop()
