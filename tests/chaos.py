@@ -176,6 +176,12 @@ class MixedLoad:
         for task in done:
             task.result()
 
+    async def plain_call(self, tier: str, *, stream: bool) -> Outcome:
+        """One plain call besides the lanes (a test's own), recorded with the load's outcomes
+        so that the accounting covers it."""
+        headers = {"X-Kvgate-Tier": tier}
+        return await self._call(Kind.PLAIN_CALL, tier, stream=stream, headers=headers)
+
     # Lanes.
 
     async def _session_lane(self, tier: str) -> None:
