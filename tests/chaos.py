@@ -176,11 +176,14 @@ class MixedLoad:
         for task in done:
             task.result()
 
-    async def plain_call(self, tier: str, *, stream: bool) -> Outcome:
-        """One plain call besides the lanes (a test's own), recorded with the load's outcomes
-        so that the accounting covers it."""
-        headers = {"X-Kvgate-Tier": tier}
-        return await self._call(Kind.PLAIN_CALL, tier, stream=stream, headers=headers)
+    async def call(self, tier: str, *, stream: bool, session_id: str | None = None) -> Outcome:
+        """One call besides the lanes (a test's own), plain or in ``session_id`` (a session
+        of ``tier``), recorded with the load's outcomes so that the accounting covers it."""
+        if session_id is None:
+            headers = {"X-Kvgate-Tier": tier}
+            return await self._call(Kind.PLAIN_CALL, tier, stream=stream, headers=headers)
+        headers = {"X-Kvgate-Session": session_id}
+        return await self._call(Kind.SESSION_CALL, tier, stream=stream, headers=headers)
 
     # Lanes.
 

@@ -140,7 +140,7 @@ async def test_a_nats_restart_mid_load_keeps_queued_calls_and_every_caller_answe
     await set_paused(stack.nats_url, Tier.BESTEFFORT, True)
     # Best effort: no lane of the load uses that tier.
     parked = [
-        asyncio.create_task(load.plain_call("besteffort", stream=i % 2 == 0)) for i in range(PARKED)
+        asyncio.create_task(load.call("besteffort", stream=i % 2 == 0)) for i in range(PARKED)
     ]
     await poll_until(
         lambda: pending(stack.nats_url, Tier.BESTEFFORT),
