@@ -50,3 +50,18 @@ def test_rest_needs_every_holding_at_zero_and_every_call_ended_once() -> None:
     assert not at_rest(quiet | {"worker_ended": 8})  # a call ended twice
     assert not at_rest(quiet | {"worker_ended": 6})  # a call lost
     assert not at_rest(quiet | {"workers_live": 0})
+
+
+def test_calls_ended_by_a_gone_worker_count_within_what_is_known_of_them() -> None:
+    """A worker that is gone ended between ``gone_ended_min`` and ``gone_ended_max`` calls:
+    the live workers' count must make up the rest, no more, no less."""
+    quiet = {name: 0 for name in MUST_BE_ZERO} | {
+        "workers_live": 1,
+        "js_calls_published": 10,
+        "gone_ended_min": 3,
+        "gone_ended_max": 5,
+    }
+    for live_ended in (5, 6, 7):
+        assert at_rest(quiet | {"worker_ended": live_ended}), live_ended
+    assert not at_rest(quiet | {"worker_ended": 8})  # a call ended twice
+    assert not at_rest(quiet | {"worker_ended": 4})  # a call lost

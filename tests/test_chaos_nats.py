@@ -74,7 +74,6 @@ async def stack(
         tmp_path,
         nats_server.url,
         redis_url=redis_server.url,
-        database_url=f"sqlite:///{tmp_path}/kvgate.db",
         KVGATE_DEFAULT_DEADLINE_S=str(DEADLINE_S),
         KVGATE_STREAM_IDLE_TIMEOUT_S=str(IDLE_TIMEOUT_S),
     ) as stack:

@@ -59,7 +59,6 @@ async def stack(
         tmp_path,
         nats_server.url,
         redis_url=redis_server.url,
-        database_url=f"sqlite:///{tmp_path}/kvgate.db",
     ) as stack:
         yield stack
 
