@@ -18,8 +18,11 @@ from broker.procs import free_port
 from tests.calls import chat_body
 from tests.polling import poll_until, wait_ready
 from tests.procs import start_api
+from tests.sampler import sample_fleet
 from tests.simworker import sim_worker
+from workers.settings import WorkerSettings
 from workers.sim_engine import SimEngine, SimEngineConfig
+from workers.worker import Worker
 
 MODEL = "kvgate-sim"
 MAX_AGE_S = 2.0
@@ -95,4 +98,35 @@ async def test_while_the_nats_server_is_away_readyz_answers_503_at_once(tmp_path
         assert took_s < READYZ_BOUND_S, took_s
     finally:
         proc.stop()
+        server.stop()
+
+
+STOP_BOUND_S = 30.0
+"""For a worker to stop once asked while NATS is away: its drain has nothing running to wait
+for; generous for a loaded machine."""
+
+
+async def test_a_worker_asked_to_stop_while_nats_is_away_stops_cleanly(tmp_path: Path) -> None:
+    """SIGTERM during a NATS outage: the worker stops without an error (its connection cannot
+    drain while reconnecting, and used to raise out of ``run``)."""
+    server = EmbeddedNats(tmp_path / "nats", log_file=tmp_path / "nats.log").start()
+    settings = WorkerSettings(
+        nats_url=server.url, worker_id="w-stop", heartbeat_interval_s=0.3, pull_expires_s=2
+    )
+    worker = Worker(SimEngine(SimEngineConfig(step_s=0.002)), settings)
+    task = asyncio.create_task(worker.run())
+    try:
+        async with sample_fleet(server.url):
+            pass  # the worker serves: its heartbeat was seen
+        server.stop()
+        # Until its connection has learnt that the server is gone.
+        await poll_until(
+            lambda: asyncio.sleep(0, worker.nc.is_connected),
+            lambda connected: not connected,
+            timeout_s=STOP_BOUND_S,
+        )
+        worker.request_stop()
+        await asyncio.wait_for(task, STOP_BOUND_S)
+    finally:
+        task.cancel()
         server.stop()

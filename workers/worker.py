@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
@@ -183,9 +184,24 @@ class Worker:
                 await cancel_sub.unsubscribe()
                 await self._remove_heartbeat()
         finally:
-            await self.nc.drain()
+            await self._disconnect()
         if self._fatal is not None:
             raise self._fatal
+
+    async def _disconnect(self) -> None:
+        """Drain the connection: what its subscriptions hold is handled, its publishes (the
+        last answers and acks) flushed. A connection that is reconnecting (the server is
+        away) cannot drain, and raised out of ``run`` a stop that had otherwise gone well: it
+        is closed instead, and what it had not sent is the server's to redeliver after the
+        ack wait, as for a worker that died."""
+        try:
+            await self.nc.drain()
+        except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError):
+            log.warning("NATS is away: closing the connection without draining it")
+            # nats.py's close writes what it buffered while reconnecting to the dead socket,
+            # and raises; the client is closed by then all the same.
+            with contextlib.suppress(ConnectionError):
+                await self.nc.close()
 
     # -- intake --------------------------------------------------------------------------
 
