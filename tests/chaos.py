@@ -28,7 +28,7 @@ import enum
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ import nats
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
+from broker.procs import Proc
 from schemas.vocab import ErrorCode
 from schemas.wire import RESULTS_STREAM, STREAM_NAME, WorkerHeartbeat
 from tests.batches import batch_results, wait_for_batch
@@ -717,10 +718,26 @@ async def chaos_stack(
     worker: dict[str, Any] | None = None,
     **env: str,
 ) -> AsyncIterator[ChaosStack]:
+    """A front door (``chaos_front_door``), and one in-process worker on the simulated engine
+    (``worker``: further settings of it)."""
+    with chaos_front_door(tmp_path, nats_url, redis_url, database_url, **env) as (proc, base):
+        engine = SimEngine(SimEngineConfig(step_s=0.005, kv_capacity_tokens=8192))
+        async with (
+            sim_worker(engine, nats_url, "sim-chaos", ready_at=base, **(worker or {})),
+            sample_fleet(nats_url) as fleet,
+        ):
+            rest = Rest(base, nats_url, fleet, redis_url)
+            assert proc.log_path is not None
+            yield ChaosStack(base, nats_url, fleet, rest, proc.log_path)
+
+
+@contextlib.contextmanager
+def chaos_front_door(
+    tmp_path: Path, nats_url: str, redis_url: str, database_url: str | None = None, **env: str
+) -> Iterator[tuple[Proc, str]]:
     """A front door (subprocess) on ``nats_url`` with its admission state in Redis at
     ``redis_url`` and its database at ``database_url`` (an SQLite file in ``tmp_path`` unless
-    given), a tenant that may use every tier, and one in-process worker on the simulated
-    engine (``worker``: further settings of it)."""
+    given), and a tenant that may use every tier; the process and its base URL."""
     tenants = write_tenants_file(tmp_path, tenant("chaos", API_KEY, max_tier="guaranteed"))
     proc, base = start_api(
         nats_url,
@@ -732,14 +749,7 @@ async def chaos_stack(
         KVGATE_BATCH_TICK_S="0.1",
         **env,
     )
-    engine = SimEngine(SimEngineConfig(step_s=0.005, kv_capacity_tokens=8192))
     try:
-        async with (
-            sim_worker(engine, nats_url, "sim-chaos", ready_at=base, **(worker or {})),
-            sample_fleet(nats_url) as fleet,
-        ):
-            rest = Rest(base, nats_url, fleet, redis_url)
-            assert proc.log_path is not None
-            yield ChaosStack(base, nats_url, fleet, rest, proc.log_path)
+        yield proc, base
     finally:
         proc.stop()

@@ -12,30 +12,25 @@ is reported but not held to the bound.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 from broker.natsserver import EmbeddedNats
 from tests.chaos import (
     API_KEY,
-    MODEL,
     MixedLoad,
     Rest,
+    chaos_front_door,
     check_answers,
     check_batch,
     summary,
     wait_for_zero,
 )
-from tests.procs import start_api
 from tests.sampler import sample_fleet
 from tests.servers import RedisServer
-from tests.tenants import tenant, write_tenants_file
 from workers.settings import WorkerSettings
 from workers.sim_engine import SimEngine, SimEngineConfig
 from workers.worker import Worker
@@ -98,27 +93,10 @@ class Workers:
         self._worker = self._task = None
 
 
-@contextlib.asynccontextmanager
-async def front_door(tmp_path: Path, nats_url: str, redis_url: str) -> AsyncIterator[Any]:
-    tenants = write_tenants_file(tmp_path, tenant("chaos", API_KEY, max_tier="guaranteed"))
-    proc, base = start_api(
-        nats_url,
-        tmp_path,
-        KVGATE_TENANTS_FILE=str(tenants),
-        KVGATE_SERVED_MODEL_NAME=MODEL,
-        KVGATE_REDIS_URL=redis_url,
-        KVGATE_BATCH_TICK_S="0.1",
-    )
-    try:
-        yield proc, base
-    finally:
-        proc.stop()
-
-
 async def test_a_soak_with_a_redis_and_a_worker_restart_holds_memory_and_loses_nothing(
     tmp_path: Path, nats_server: EmbeddedNats, redis_server: RedisServer
 ) -> None:
-    async with front_door(tmp_path, nats_server.url, redis_server.url) as (proc, base):
+    with chaos_front_door(tmp_path, nats_server.url, redis_server.url) as (proc, base):
         workers = Workers(nats_server.url)
         workers.start()
         async with sample_fleet(nats_server.url, timeout=READY_BOUND_S) as fleet:
@@ -152,9 +130,8 @@ async def test_a_soak_with_a_redis_and_a_worker_restart_holds_memory_and_loses_n
 
             faults = check_answers(load.outcomes)
             batch = await check_batch(load)
-            settled_s, readings = await wait_for_zero(
-                _counting_retired(rest, workers.retired_ended)
-            )
+            rest.gone_ended = (workers.retired_ended, workers.retired_ended)
+            settled_s, readings = await wait_for_zero(rest)
         await workers.stop()
 
     errors = Counter(o.code for o in load.outcomes if o.code is not None)
@@ -183,16 +160,3 @@ async def test_a_soak_with_a_redis_and_a_worker_restart_holds_memory_and_loses_n
         and last[name] > max(first[name] * (1 + RSS_GROWTH), first[name] + RSS_SLACK_BYTES)
     }
     assert held == {}, f"resident memory grew past the bound: {held}"
-
-
-def _counting_retired(rest: Rest, retired_ended: int) -> Rest:
-    """``rest`` whose worker tally adds what the retired workers ended: a restarted worker's
-    heartbeat counts from zero."""
-
-    class WithRetired(Rest):
-        async def read(self) -> dict[str, int]:
-            readings = await super().read()
-            readings["worker_ended"] += retired_ended
-            return readings
-
-    return WithRetired(rest.base_url, rest.nats_url, rest.fleet, rest.redis_url)
