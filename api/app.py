@@ -168,10 +168,11 @@ async def _require_noeviction(state: AdmissionState) -> None:
 
 def admission_state(settings: ApiSettings) -> AdmissionState:
     if settings.redis_url is None:
-        return MemoryAdmissionState()
+        return MemoryAdmissionState(retention_ms=int(settings.session_retention_s * 1000))
     return RedisAdmissionState(
         settings.redis_url,
         prefix=settings.redis_prefix,
+        retention_ms=int(settings.session_retention_s * 1000),
         timeout_s=settings.redis_timeout_s,
         max_connections=settings.redis_max_connections,
     )

@@ -148,6 +148,9 @@ class ApiSettings(BaseSettings):
     session_max_waiting_calls: int = Field(default=64, ge=0)
     max_waiting_calls: int = Field(default=2_000, ge=0)
     session_default_idle_timeout_s: float = Field(default=60.0, gt=0)
+    # An ended session's record is kept this long (a late call on it is then 409/410, not 404),
+    # in Redis or this process, whoever ended it: every record costs memory there until then.
+    session_retention_s: float = Field(default=600.0, gt=0)
     # A session's calls in flight may weigh at most this many times its reservation (each call:
     # its prompt plus its output at the session's estimate; broker/admission/state.CallCharge).
     # Above 1 because declarations are means: a late turn's prompt is longer than the mean.

@@ -144,7 +144,11 @@ class Admitter:
         self.shared = shared
         # While Redis is unreachable, tiers in `degraded_tiers` are admitted against this
         # replica's own budget; those sessions live here until they end.
-        self.fallback = MemoryAdmissionState() if shared else None
+        self.fallback = (
+            MemoryAdmissionState(retention_ms=int(settings.session_retention_s * 1000))
+            if shared
+            else None
+        )
         self.signals = signals
         self.metrics = metrics
         self.ledger = ledger
