@@ -64,3 +64,16 @@ WORKER_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
 }
+
+
+def mib(n: int) -> float:
+    """Bytes in MiB, one decimal: for reports."""
+    return round(n / 2**20, 1)
+
+
+def resident_bytes(pid: int) -> int:
+    """A process's resident memory (``VmRSS``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")

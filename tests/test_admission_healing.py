@@ -13,8 +13,8 @@ import redis.asyncio as aioredis
 from broker.admission.redis_store import RedisAdmissionState
 from broker.admission.state import ReserveRequest, SessionRecord, TenantLimits
 from schemas.vocab import TIERS_BY_PRIORITY, SessionState, Tier
+from tests.records import session
 from tests.servers import RedisServer
-from tests.test_admission_state import session
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 LIMITS = (10**9, 10**9, 10**9)

@@ -22,9 +22,9 @@ from broker.admission.state import (
 )
 from broker.errors import AdmissionUnavailable
 from schemas.vocab import Reason, SessionState, Tier
+from tests.records import T0, session
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
-T0 = 1_800_000_000_000  # a fixed clock, ms: every operation takes `now` explicitly
 LIMITS = (10_000, 8_000, 5_000)
 TENANT = TenantLimits(max_sessions=10, max_parallel_calls=100, tokens_per_minute=1_000_000)
 LIGHT = CallCharge(tokens=1, in_flight_limit=1_000_000, tokens_per_minute=1_000_000)
@@ -44,36 +44,6 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[AdmissionState]
     finally:
         await redis_store.delete_all()
         await redis_store.close()
-
-
-def session(
-    sid: str,
-    *,
-    tier: Tier = Tier.STANDARD,
-    tokens: int = 1_000,
-    parallel: int = 2,
-    tenant: str = "acme",
-    now: int = T0,
-    deadline_s: float = 300,
-    idle_s: float = 30,
-) -> SessionRecord:
-    deadline = now + int(deadline_s * 1000)
-    return SessionRecord(
-        id=sid,
-        tenant=tenant,
-        tier=tier,
-        state=SessionState.ACTIVE,
-        max_parallel=parallel,
-        expected_calls=4,
-        est_prompt_tokens=tokens // parallel - 10,
-        est_output_tokens=10,
-        reserved_tokens=tokens,
-        created_ms=now,
-        deadline_ms=deadline,
-        idle_timeout_ms=int(idle_s * 1000),
-        expires_ms=min(deadline, now + int(idle_s * 1000)),
-        metadata={"agent": "coder", "attempt": 1},
-    )
 
 
 def request(

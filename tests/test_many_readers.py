@@ -21,9 +21,8 @@ import pytest
 from broker.natsserver import EmbeddedNats
 from loadtests.stats import percentile
 from tests.calls import chat_body
-from tests.procs import start_api
+from tests.procs import mib, resident_bytes, start_api
 from tests.simworker import sim_worker
-from tests.test_soak import mib, resident_bytes
 from workers.sim_engine import SimEngine, SimEngineConfig
 
 MODEL = "kvgate-sim"

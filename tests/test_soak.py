@@ -29,6 +29,7 @@ from tests.chaos import (
     summary,
     wait_for_zero,
 )
+from tests.procs import mib, resident_bytes
 from tests.sampler import sample_fleet
 from tests.servers import RedisServer
 from workers.settings import WorkerSettings
@@ -51,17 +52,6 @@ allocator noise alone)."""
 WORKER_STOP_BOUND_S = 60.0
 """For the worker to drain its running calls and exit."""
 READY_BOUND_S = 30.0
-
-
-def mib(n: int) -> float:
-    return round(n / 2**20, 1)
-
-
-def resident_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
 
 
 class Workers:
