@@ -39,9 +39,11 @@ def bounded_head_protocol(max_head_bytes: int) -> type[HttpToolsProtocol]:
             super().__init__(config, server_state, app_state, _loop)
             self._in_head = True
             self._head_bytes = 0
+            self._heads_ended = 0
 
         def on_headers_complete(self) -> None:
             self._in_head = False
+            self._heads_ended += 1
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
@@ -49,13 +51,13 @@ def bounded_head_protocol(max_head_bytes: int) -> type[HttpToolsProtocol]:
             self._in_head, self._head_bytes = True, 0  # a next request on the connection
 
         def data_received(self, data: bytes) -> None:
-            # Counted after the parser has read the chunk, and only while the head is still
-            # unfinished: a chunk that ends the head may carry a body after it, which is not
-            # the head's (bodies have their own bound). At most one read past the bound is
-            # held.
-            in_head = self._in_head
+            # Counted after the parser has read the chunk, and only where the chunk ended no
+            # head: one that ends a head may carry a body after it, or whole requests, which
+            # are not a head's bytes (bodies have their own bound). At most one read past the
+            # bound is held.
+            in_head, heads_ended = self._in_head, self._heads_ended
             super().data_received(data)
-            if in_head and self._in_head and not self.transport.is_closing():
+            if in_head and self._heads_ended == heads_ended and not self.transport.is_closing():
                 self._head_bytes += len(data)
                 if self._head_bytes > max_head_bytes:
                     self.transport.write(_REFUSAL)
