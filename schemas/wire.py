@@ -189,6 +189,12 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True):
     deadline_dropped: int = 0
     cancelled: int = 0
     handed_back: int = 0
+    failed: int = 0
+    """Calls that ended with an error their caller saw: a request the serving layer refused, or
+    the engine failing on the call's last attempt."""
+    faulted: int = 0
+    """Calls a fault outside the engine interrupted (an ack or a publish that failed): any is
+    worth a look (``WorkerCounters.faulted``)."""
 
 
 class CallResult(msgspec.Struct, frozen=True):

@@ -258,7 +258,7 @@ async def test_calls_complete_with_one_terminal_event(harness: Harness) -> None:
 
 
 async def test_engine_errors_are_retried_then_reported_once(harness: Harness) -> None:
-    await harness.start_worker()
+    worker = await harness.start_worker()
     inbox = await harness.send(call("bad", content=f"x {FAIL_MARKER}"))
     await asyncio.wait_for(inbox.ended.wait(), EVENT_BOUND_S)
     await asyncio.sleep(QUIET_WINDOW_S)  # nothing may follow the terminal event
@@ -269,6 +269,9 @@ async def test_engine_errors_are_retried_then_reported_once(harness: Harness) ->
     assert failed.attempt == STREAM.max_deliver
     info = await harness.js.stream_info(STREAM_NAME)
     assert info.state.messages == 0  # terminated, not left to redeliver
+    # Operators see it in the worker's heartbeat (kvgate workers, the fleet view).
+    beat = worker.heartbeat()
+    assert (beat.failed, beat.faulted, beat.completed) == (1, 0, 0)
 
 
 async def test_a_call_past_its_deadline_is_never_started(harness: Harness) -> None:

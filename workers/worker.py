@@ -696,6 +696,8 @@ class Worker:
             deadline_dropped=self.counters.deadline_dropped,
             cancelled=self.counters.cancelled,
             handed_back=self.counters.handed_back,
+            failed=self.counters.failed,
+            faulted=self.counters.faulted,
         )
 
     async def _put_heartbeat(self, *, draining: bool = False) -> None:
