@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 import time
 
-from api.batches.runner import runnable
-from api.batches.store import LineRow, LineStatus
+from api.batches.openlines import BatchLines
+from api.batches.store import OPEN_LINES, LineState, LineStatus
 
 QUADRATIC_BOUND_S = 1.0
 """Generous for a loaded machine: the one-pass rule decides the session below in
@@ -14,25 +14,24 @@ milliseconds; the rescan per pending line took 6.5 s on it (and several times th
 host), so the bound tells the two apart without timing the fast one."""
 
 
-def session(statuses: str, parallel: str = "") -> list[LineRow]:
+def session(statuses: str, parallel: str = "") -> list[LineState]:
     """A session's lines: one status letter each (pending, running, completed, failed), and the
     parallel flag of each ('p'), defaulting to off."""
     names = {"p": LineStatus.PENDING, "r": LineStatus.RUNNING, "c": LineStatus.COMPLETED}
     names["f"] = LineStatus.FAILED
     flags = parallel.ljust(len(statuses), ".")
     return [
-        LineRow(
-            i, "b", i + 1, f"c{i}", "s", flags[i] == "p", {}, names[s].value, f"b-{i}", None, None
-        )
+        LineState(i, i + 1, "s", flags[i] == "p", names[s].value, f"b-{i}")
         for i, s in enumerate(statuses)
     ]
 
 
-def started(lines: list[LineRow]) -> list[int]:
-    return [line.id for line in runnable(lines)]
+def started(lines: list[LineState]) -> list[int]:
+    sessions = BatchLines.build(lines).sessions
+    return [line.id for line in sessions["s"].runnable()] if sessions else []
 
 
-def reference(lines: list[LineRow]) -> list[int]:
+def reference(lines: list[LineState]) -> list[int]:
     """The rule as stated: a pending line waits for every line before its run of parallel lines
     (a run is a line and the parallel lines right after it)."""
     out = []
@@ -40,7 +39,9 @@ def reference(lines: list[LineRow]) -> list[int]:
         start = i
         while start > 0 and lines[start].parallel:
             start -= 1
-        if line.status == LineStatus.PENDING.value and all(x.terminal for x in lines[:start]):
+        if line.status == LineStatus.PENDING.value and all(
+            x.status not in OPEN_LINES for x in lines[:start]
+        ):
             out.append(line.id)
     return out
 

@@ -6,22 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
-import uuid
 from collections.abc import AsyncIterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from api.batches import store
 from api.batches.request import ParsedLine
-from api.routes.batches import line_rows
-from broker.db import make_engine, utcnow
 from broker.natsserver import EmbeddedNats
 from broker.procs import Proc
-from tests.batches import batch_results, wait_for_batch
+from tests.batches import batch_results, wait_for_batch, write_batch
 from tests.calls import chat_body
 from tests.procs import start_api
 from tests.simworker import sim_worker
@@ -234,33 +229,8 @@ async def test_a_stored_line_that_can_no_longer_be_sent_fails_alone(door: Door) 
 
 
 def store_batch(db: Path, lines: list[ParsedLine]) -> str:
-    """A batch of acme's written straight to the database, as a front door of an earlier
-    version would have: its lines are not checked. Its id."""
-    now = utcnow()
-    batch_id = f"batch_{uuid.uuid4().hex}"
-    batch = {
-        "id": batch_id,
-        "tenant": "acme",
-        "tier": "besteffort",
-        "status": "in_progress",
-        "completion_window_s": 3600,
-        "created_at": now,
-        "expires_at": now + timedelta(hours=1),
-        "finished_at": None,
-        "cancel_requested": False,
-        "total": len(lines),
-        "idempotency_key": None,
-        "runner": None,
-        "runner_seen_at": None,
-        "metadata": {},
-        "input_file_id": None,
-    }
-    engine = make_engine(f"sqlite:///{db}")
-    try:
-        store.create_batch(engine, batch, line_rows(batch_id, lines, now))
-    finally:
-        engine.dispose()
-    return batch_id
+    """A batch of acme's written straight to the database: its lines are not checked."""
+    return write_batch(f"sqlite:///{db}", "acme", lines)
 
 
 async def test_a_tenant_sees_only_its_own_batches(door: Door) -> None:

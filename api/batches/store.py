@@ -151,6 +151,28 @@ class BatchRow:
 
 
 @dataclass(frozen=True, slots=True)
+class LineState:
+    """What the runner needs of a line to decide whether it may start: no body, no result."""
+
+    id: int
+    line_no: int
+    session_key: str
+    parallel: bool
+    status: str
+    call_id: str
+
+
+_STATE_COLUMNS = (
+    LINES.c.id,
+    LINES.c.line_no,
+    LINES.c.session_key,
+    LINES.c.parallel,
+    LINES.c.status,
+    LINES.c.call_id,
+)
+
+
+@dataclass(frozen=True, slots=True)
 class LineRow:
     id: int
     batch_id: str
@@ -298,6 +320,47 @@ def lines_of(engine: Engine, batch_id: str) -> list[LineRow]:
     with engine.connect() as conn:
         query = select(LINES).where(LINES.c.batch_id == batch_id).order_by(LINES.c.line_no)
         return [_line(r) for r in conn.execute(query)]
+
+
+def line_states(engine: Engine, batch_id: str) -> list[LineState]:
+    """Every line of the batch, in line order, without bodies or results: read once when a
+    runner takes the batch over."""
+    query = select(*_STATE_COLUMNS).where(LINES.c.batch_id == batch_id).order_by(LINES.c.line_no)
+    with engine.connect() as conn:
+        return [
+            LineState(r.id, r.line_no, r.session_key, bool(r.parallel), r.status, r.call_id)
+            for r in conn.execute(query)
+        ]
+
+
+def running_line_ids(engine: Engine, batch_id: str) -> set[int]:
+    """The batch's lines that are running now (an index range: as many rows as lines run)."""
+    query = select(LINES.c.id).where(
+        LINES.c.batch_id == batch_id, LINES.c.status == LineStatus.RUNNING.value
+    )
+    with engine.connect() as conn:
+        return set(conn.execute(query).scalars())
+
+
+def line_bodies(engine: Engine, line_ids: list[int]) -> dict[int, dict[str, Any]]:
+    """The request bodies of the lines ``line_ids``, by id."""
+    out: dict[int, dict[str, Any]] = {}
+    with engine.connect() as conn:
+        # In chunks: a statement may carry only so many parameters (SQLite: 32,766).
+        for start in range(0, len(line_ids), _ID_CHUNK):
+            chunk = line_ids[start : start + _ID_CHUNK]
+            query = select(LINES.c.id, LINES.c.body).where(LINES.c.id.in_(chunk))
+            out.update((row.id, row.body) for row in conn.execute(query))
+    return out
+
+
+_ID_CHUNK = 1000
+
+
+def line_counts(engine: Engine, batch_id: str) -> dict[str, int]:
+    """How many lines of the batch have each status."""
+    with engine.connect() as conn:
+        return _counts(conn, [batch_id])[batch_id]
 
 
 def claim_batches(engine: Engine, runner: str, now: datetime, stale_s: float) -> list[BatchRow]:
