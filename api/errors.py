@@ -61,6 +61,7 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.BROKER_UNAVAILABLE: 503,
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.TOO_MANY_WAITING_CALLS: 429,
+    ErrorCode.TOO_MANY_OPEN_BATCHES: 429,
 }
 
 

@@ -45,8 +45,10 @@ place.
     │   ├── BrokerUnavailable     broker_unavailable: NATS/JetStream cannot be reached
     │   ├── QueueFull             queue_full: the stream refused the call (discard-new)
     │   ├── DeadlineExceeded      deadline_exceeded: not started before its deadline
-    │   └── TooManyWaitingCalls   too_many_waiting_calls: too many calls already wait for a
-    │                             call slot (of the session, or on this front door): 429
+    │   ├── TooManyWaitingCalls   too_many_waiting_calls: too many calls already wait for a
+    │   │                         call slot (of the session, or on this front door): 429
+    │   └── TooManyOpenBatches    too_many_open_batches: the tenant has as many batches not
+    │                             yet ended as it may have: 429
     ├── ServerError               the call failed on kvgate's side, not the caller's (5xx)
     │   ├── WorkerLost            worker_lost: the worker went silent or its reply broke off
     │   ├── EngineError           engine_error: the engine failed; a worker retries the call
@@ -295,6 +297,15 @@ class TooManyWaitingCalls(RetryableError):
 
     code = ErrorCode.TOO_MANY_WAITING_CALLS
     retry_after = 1
+
+
+class TooManyOpenBatches(RetryableError):
+    """Refused before the batch was parsed (and checked again as it is stored): room comes back
+    when one of the tenant's batches ends, which takes minutes at least, so a minute is the
+    soonest a retry is worth it."""
+
+    code = ErrorCode.TOO_MANY_OPEN_BATCHES
+    retry_after = 60
 
 
 # -- kvgate's side failed --------------------------------------------------------------------

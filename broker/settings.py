@@ -167,6 +167,14 @@ class ApiSettings(BaseSettings):
     batch_tick_s: float = Field(default=0.5, gt=0)
     batch_runner_stale_s: float = Field(default=30.0, gt=0)
     batch_max_lines: int = Field(default=50_000, ge=1)
+    # Batches of one tenant not yet ended (in progress or cancelling) at once; one more is
+    # refused, 429 `too_many_open_batches`.
+    batch_max_open: int = Field(default=100, ge=1)
+    # How long an ended batch, its lines and results are kept; uploaded files are kept as
+    # long, and then until no batch kept names them. Swept by the batch runner.
+    batch_retention_s: float = Field(default=7 * 24 * 3600.0, gt=0)
+    # Lines a results or output file download reads from the database at a time.
+    batch_page_lines: int = Field(default=1000, ge=1)
     stream: StreamSettings = Field(default_factory=StreamSettings)
 
     @model_validator(mode="after")

@@ -91,6 +91,8 @@ class ErrorCode(enum.StrEnum):
     ADMISSION_UNAVAILABLE = "admission_unavailable"
     # A call of an admitted session that may not wait for one of its slots (HTTP 429).
     TOO_MANY_WAITING_CALLS = "too_many_waiting_calls"
+    # A batch past the tenant's limit on batches not yet ended (HTTP 429).
+    TOO_MANY_OPEN_BATCHES = "too_many_open_batches"
     # Serving (HTTP 5xx, or an `error` reply event).
     DEADLINE_EXCEEDED = "deadline_exceeded"
     QUEUE_FULL = "queue_full"

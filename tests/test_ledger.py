@@ -53,7 +53,7 @@ def test_migrations_create_the_schema_and_are_idempotent(database_url: str) -> N
     finally:
         engine.dispose()
     assert {"tenant", "tier", "decision", "reason", "signals", "latency_us"} <= columns
-    assert version == "0003"  # the head revision
+    assert version == "0004"  # the head revision
     assert {"admission_decisions", "batches", "batch_lines"} <= tables
 
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import Column, Integer, LargeBinary, delete, insert, select
+from sqlalchemy import Column, Integer, LargeBinary, delete, exists, insert, select
 from sqlalchemy.engine import Engine
 from sqlmodel import Field, SQLModel
+
+from api.batches.store import BATCHES
 
 
 class StoredFile(SQLModel, table=True):
@@ -93,3 +95,21 @@ def delete_file(engine: Engine, tenant: str, file_id: str) -> bool:
     with engine.begin() as conn:
         done = conn.execute(delete(FILES).where(FILES.c.id == file_id, FILES.c.tenant == tenant))
     return bool(done.rowcount)
+
+
+def delete_unused_before(engine: Engine, cutoff: datetime, limit: int) -> int:
+    """Delete up to ``limit`` files uploaded before ``cutoff`` that no batch names as its input
+    (a batch is deleted with its results, after the retention: see ``store``); returns how
+    many."""
+    used = exists().where(BATCHES.c.input_file_id == FILES.c.id)
+    with engine.begin() as conn:
+        ids = list(
+            conn.execute(
+                select(FILES.c.id).where(FILES.c.created_at < cutoff, ~used).limit(limit)
+            ).scalars()
+        )
+        if ids:
+            # The condition again: a batch made from one of them since is not left dangling.
+            done = conn.execute(delete(FILES).where(FILES.c.id.in_(ids), ~used))
+            return int(done.rowcount)
+    return 0

@@ -10,6 +10,9 @@
   end of its completion window) and no reply inbox: the worker publishes one durable result.
 - **Collector** (``api.batches.collector``), started and stopped with the runner, writes the
   workers' results to their lines.
+- **Retention.** In the background too, ended batches (with their lines and results) and the
+  uploaded files no batch names are deleted ``batch_retention_s`` after they ended or were
+  uploaded.
 
 A tick costs what changed since the last one, not the size of the batches: the runner keeps
 each batch's open lines in memory (``api.batches.openlines``), read once when it takes the
@@ -32,8 +35,9 @@ import heapq
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import msgspec
@@ -41,7 +45,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from sqlalchemy.engine import Engine
 
-from api.batches import store
+from api.batches import files, store
 from api.batches.collector import ResultCollector
 from api.batches.openlines import BatchLines, OpenLine, SessionLines
 from api.batches.store import BatchRow, BatchStatus, LineStatus
@@ -64,6 +68,9 @@ log = logging.getLogger(__name__)
 # Lines still running this long after their batch's window closed are given up as expired
 # (their calls' TTLs have dropped them from the queue by then).
 EXPIRY_GRACE_S = 30.0
+# Batches (or files) deleted a transaction by the retention sweep: each may have tens of
+# thousands of lines.
+SWEEP_CHUNK = 16
 # Bodies read at a time when a session's need is sized.
 PEAK_CHUNK = 1000
 
@@ -120,7 +127,10 @@ class BatchRunner:
         self.collector = ResultCollector(engine, js, self.wake)
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._run_loop())]
+        self._tasks = [
+            asyncio.create_task(self._run_loop()),
+            asyncio.create_task(self._sweep_loop()),
+        ]
         self.collector.start()
 
     def wake(self) -> None:
@@ -442,3 +452,33 @@ class BatchRunner:
         await asyncio.to_thread(store.set_status, self.engine, batch.id, status, now)
         await self._forget(batch.id)
         log.info("batch %s %s", batch.id, status.value)
+
+    # -- retention ---------------------------------------------------------------------
+
+    async def _sweep_loop(self) -> None:
+        retention_s = self.settings.batch_retention_s
+        interval_s = max(self.settings.batch_tick_s, min(60.0, retention_s / 4))
+        while True:
+            try:
+                await self.sweep(utcnow())
+            except Exception:
+                log.exception("batch retention sweep failed; retrying")
+            await asyncio.sleep(interval_s)
+
+    async def sweep(self, now: datetime) -> tuple[int, int]:
+        """Delete what the retention has passed: ended batches (with their lines and results),
+        then the uploaded files no batch names. Returns how many of each."""
+        cutoff = now - timedelta(seconds=self.settings.batch_retention_s)
+        batches = await self._sweep(store.delete_ended_before, cutoff)
+        uploads = await self._sweep(files.delete_unused_before, cutoff)
+        if batches or uploads:
+            log.info("retention: deleted %d batches and %d files", batches, uploads)
+        return batches, uploads
+
+    async def _sweep(self, delete: Callable[[Engine, datetime, int], int], cutoff: datetime) -> int:
+        total = 0
+        while True:
+            deleted = await asyncio.to_thread(delete, self.engine, cutoff, SWEEP_CHUNK)
+            total += deleted
+            if deleted < SWEEP_CHUNK:
+                return total

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Column, Integer, func, insert, select, update
+from sqlalchemy import JSON, BigInteger, Column, Integer, delete, func, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Field, SQLModel
+
+from broker.errors import TooManyOpenBatches
 
 
 class BatchStatus(enum.StrEnum):
@@ -131,6 +133,7 @@ class BatchLine(SQLModel, table=True):
 
 BATCHES = Batch.__table__  # type: ignore[attr-defined]
 LINES = BatchLine.__table__  # type: ignore[attr-defined]
+OPEN_BATCHES = tuple(s.value for s in BatchStatus if s not in ENDED_BATCHES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,22 +176,25 @@ _STATE_COLUMNS = (
 
 
 @dataclass(frozen=True, slots=True)
-class LineRow:
-    id: int
-    batch_id: str
+class LineResult:
+    """What a batch's results and output files show of a line."""
+
     line_no: int
     custom_id: str
-    session_key: str
-    parallel: bool
-    body: dict[str, Any]
     status: str
     call_id: str
     result: dict[str, Any] | None
     error_code: str | None
 
-    @property
-    def terminal(self) -> bool:
-        return self.status not in OPEN_LINES
+
+_RESULT_COLUMNS = (
+    LINES.c.line_no,
+    LINES.c.custom_id,
+    LINES.c.status,
+    LINES.c.call_id,
+    LINES.c.result,
+    LINES.c.error_code,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,19 +222,6 @@ def _batch(row: Any) -> BatchRow:
     )
 
 
-def _line(row: Any) -> LineRow:
-    m = row._mapping
-    return LineRow(
-        **{k: m[k] for k in ("id", "batch_id", "line_no", "custom_id", "session_key")},
-        parallel=bool(m["parallel"]),
-        body=m["body"],
-        status=m["status"],
-        call_id=m["call_id"],
-        result=m["result"],
-        error_code=m["error_code"],
-    )
-
-
 def _utc(value: datetime) -> datetime:
     """SQLite hands back naive datetimes; everything here is UTC."""
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
@@ -239,10 +232,18 @@ def line_call_id(batch_id: str, line_no: int) -> str:
 
 
 def create_batch(
-    engine: Engine, batch: dict[str, Any], lines: list[dict[str, Any]]
+    engine: Engine,
+    batch: dict[str, Any],
+    lines: list[dict[str, Any]],
+    *,
+    max_open: int | None = None,
 ) -> tuple[BatchRow, bool]:
     """Insert the batch and its lines in one transaction. With an idempotency key the tenant
-    already used, returns that batch instead (``created`` False)."""
+    already used, returns that batch instead (``created`` False). With ``max_open``, raises
+    ``TooManyOpenBatches`` rather than give the tenant more batches not yet ended: counted in
+    the inserting transaction, after the insert, so that front doors creating batches at once
+    cannot all pass the count (SQLite lets one writer in at a time; on PostgreSQL a lock per
+    tenant does the same)."""
     key = batch.get("idempotency_key")
     if key is not None:
         existing = _by_idempotency_key(engine, batch["tenant"], key)
@@ -250,7 +251,11 @@ def create_batch(
             return existing, False
     try:
         with engine.begin() as conn:
+            if max_open is not None and conn.dialect.name == "postgresql":
+                conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(batch["tenant"]))))
             conn.execute(insert(BATCHES), [batch])
+            if max_open is not None:
+                _check_open(conn, batch["tenant"], max_open, including_new=True)
             conn.execute(insert(LINES), lines)
             row = conn.execute(select(BATCHES).where(BATCHES.c.id == batch["id"])).one()
             return _batch(row), True
@@ -260,6 +265,46 @@ def create_batch(
         existing = _by_idempotency_key(engine, batch["tenant"], key)
         assert existing is not None
         return existing, False
+
+
+def check_open_batches(engine: Engine, tenant: str, max_open: int) -> None:
+    """Raise ``TooManyOpenBatches`` if the tenant has ``max_open`` batches not yet ended: a
+    cheap refusal before a submission is parsed (``create_batch`` checks again, exactly)."""
+    with engine.connect() as conn:
+        _check_open(conn, tenant, max_open, including_new=False)
+
+
+def _check_open(conn: Connection, tenant: str, max_open: int, *, including_new: bool) -> None:
+    query = select(func.count()).where(
+        BATCHES.c.tenant == tenant, BATCHES.c.status.in_(OPEN_BATCHES)
+    )
+    count = int(conn.execute(query).scalar_one()) - (1 if including_new else 0)
+    if count >= max_open:
+        raise TooManyOpenBatches(
+            f"{count} batches of this tenant have not ended yet, and at most {max_open} may be "
+            "open at once; wait for one to end, or cancel one"
+        )
+
+
+def delete_ended_before(engine: Engine, cutoff: datetime, limit: int) -> int:
+    """Delete up to ``limit`` batches that ended before ``cutoff``, with their lines (and so
+    their results, output and error files); returns how many. A few batches a transaction:
+    each may have tens of thousands of lines."""
+    with engine.begin() as conn:
+        ids = list(
+            conn.execute(
+                select(BATCHES.c.id)
+                .where(
+                    BATCHES.c.status.in_([s.value for s in ENDED_BATCHES]),
+                    BATCHES.c.finished_at < cutoff,
+                )
+                .limit(limit)
+            ).scalars()
+        )
+        if ids:
+            conn.execute(delete(LINES).where(LINES.c.batch_id.in_(ids)))
+            conn.execute(delete(BATCHES).where(BATCHES.c.id.in_(ids)))
+    return len(ids)
 
 
 def _by_idempotency_key(engine: Engine, tenant: str, key: str) -> BatchRow | None:
@@ -316,12 +361,6 @@ def _counts(conn: Connection, batch_ids: list[str]) -> dict[str, dict[str, int]]
     return out
 
 
-def lines_of(engine: Engine, batch_id: str) -> list[LineRow]:
-    with engine.connect() as conn:
-        query = select(LINES).where(LINES.c.batch_id == batch_id).order_by(LINES.c.line_no)
-        return [_line(r) for r in conn.execute(query)]
-
-
 def line_states(engine: Engine, batch_id: str) -> list[LineState]:
     """Every line of the batch, in line order, without bodies or results: read once when a
     runner takes the batch over."""
@@ -361,6 +400,29 @@ def line_counts(engine: Engine, batch_id: str) -> dict[str, int]:
     """How many lines of the batch have each status."""
     with engine.connect() as conn:
         return _counts(conn, [batch_id])[batch_id]
+
+
+def result_page(
+    engine: Engine,
+    batch_id: str,
+    statuses: Iterable[str] | None,
+    after_line_no: int,
+    limit: int,
+) -> list[LineResult]:
+    """Up to ``limit`` lines of the batch after line ``after_line_no``, in line order (of
+    ``statuses`` only, if given): one page of a results download, read by the index on
+    ``(batch_id, line_no)`` whatever the page."""
+    query = select(*_RESULT_COLUMNS).where(
+        LINES.c.batch_id == batch_id, LINES.c.line_no > after_line_no
+    )
+    if statuses is not None:
+        query = query.where(LINES.c.status.in_(list(statuses)))
+    query = query.order_by(LINES.c.line_no).limit(limit)
+    with engine.connect() as conn:
+        return [
+            LineResult(r.line_no, r.custom_id, r.status, r.call_id, r.result, r.error_code)
+            for r in conn.execute(query)
+        ]
 
 
 def claim_batches(engine: Engine, runner: str, now: datetime, stale_s: float) -> list[BatchRow]:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
-from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -23,6 +21,7 @@ from api.batches.request import (
     parse_file_submission,
     parse_submission,
 )
+from api.batches.results import results_file
 from api.batches.store import (
     ENDED_BATCHES,
     UNANSWERED_LINES,
@@ -81,11 +80,18 @@ _BATCH_RESPONSES: Responses = {
             ErrorCode.BODY_TOO_LARGE,
             ErrorCode.UNAUTHORIZED,
             ErrorCode.TIER_NOT_ALLOWED,
+            ErrorCode.TOO_MANY_OPEN_BATCHES,
         ),
     },
 )
 async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) -> JSONResponse:
     settings = door.settings
+    key = idempotency_key(request)
+    if key is None:  # a retry under a key that made a batch gets that batch, not a refusal
+        # Refused before a body of up to 64 MiB is read and parsed; counted again as it is stored.
+        await asyncio.to_thread(
+            store.check_open_batches, door.batch_engine, tenant.id, settings.batch_max_open
+        )
     raw = await read_body(request, settings.max_body_bytes * 64)
     # Parsing a body of up to 64 times the call limit is seconds of CPU: never on the event loop.
     obj = None if is_jsonl(request) else await asyncio.to_thread(parse_json_object, raw)
@@ -118,7 +124,6 @@ async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) 
         raise InvalidRequest(
             f"every line of the batch is invalid; first: {submission.errors[0].message}",
         )
-    key = idempotency_key(request)
     now = utcnow()
     batch_id = f"batch_{uuid.uuid4().hex}"
     batch = {
@@ -141,7 +146,7 @@ async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) 
 
     def create() -> tuple[store.BatchRow, bool]:
         rows = line_rows(batch_id, submission.lines, now)
-        return store.create_batch(door.batch_engine, batch, rows)
+        return store.create_batch(door.batch_engine, batch, rows, max_open=settings.batch_max_open)
 
     row, created = await asyncio.to_thread(create)
     view = await asyncio.to_thread(store.get_batch, door.batch_engine, tenant.id, row.id)
@@ -226,18 +231,8 @@ async def cancel_batch(batch_id: str, door: FrontDoorDep, tenant: TenantDep) -> 
 )
 async def batch_results(batch_id: str, door: FrontDoorDep, tenant: TenantDep) -> StreamingResponse:
     await _view(door, tenant.id, batch_id)
-    lines = await asyncio.to_thread(store.lines_of, door.batch_engine, batch_id)
-
-    async def body() -> AsyncIterator[bytes]:
-        for line in lines:
-            out: dict[str, Any] = {"custom_id": line.custom_id, "status": line.status}
-            if line.result is not None:
-                out.update(line.result)
-            elif line.error_code is not None:
-                out["error"] = {"code": line.error_code, "message": line.status}
-            yield json.dumps(out).encode() + b"\n"
-
-    return StreamingResponse(body(), media_type=JSONL_TYPES[0])
+    body = results_file(door.batch_engine, batch_id, door.settings.batch_page_lines)
+    return StreamingResponse(body, media_type=JSONL_TYPES[0])
 
 
 async def _view(door: FrontDoorDep, tenant: str, batch_id: str) -> BatchView:

@@ -9,17 +9,20 @@ format; their ids name the batch (``file-<batch id>-output``, ``file-<batch id>-
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
+from sqlalchemy.engine import Engine
 from starlette.datastructures import UploadFile
 
 from api.batches import files, store
 from api.batches.files import FileMeta
-from api.batches.store import LineRow, LineStatus, result_file
+from api.batches.results import output_file
+from api.batches.store import result_file
 from api.deps import FrontDoorDep, TenantDep
 from api.openapi import error_responses
 from broker.db import utcnow
@@ -110,8 +113,14 @@ async def list_files(
 
 @router.get("/{file_id}", responses=error_responses(*_FILE_ERRORS))
 async def get_file(file_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
-    meta, _ = await _find(door, tenant.id, file_id)
-    return file_json(meta)
+    found = await _find(door, tenant.id, file_id)
+    if isinstance(found, _BatchFile):
+        # Its size is known only by reading it: a page at a time, never the whole of it.
+        size = 0
+        async for chunk in found.chunks():
+            size += len(chunk)
+        return file_json(replace(found.meta, bytes=size))
+    return file_json(found[0])
 
 
 @router.get(
@@ -126,8 +135,10 @@ async def get_file(file_id: str, door: FrontDoorDep, tenant: TenantDep) -> dict[
     },
 )
 async def file_content(file_id: str, door: FrontDoorDep, tenant: TenantDep) -> Response:
-    _, content = await _find(door, tenant.id, file_id)
-    return Response(content, media_type=_CONTENT_TYPE)
+    found = await _find(door, tenant.id, file_id)
+    if isinstance(found, _BatchFile):
+        return StreamingResponse(found.chunks(), media_type=_CONTENT_TYPE)
+    return Response(found[1], media_type=_CONTENT_TYPE)
 
 
 @router.delete("/{file_id}", responses=error_responses(*_FILE_ERRORS))
@@ -138,39 +149,38 @@ async def delete_file(file_id: str, door: FrontDoorDep, tenant: TenantDep) -> di
     return {"id": file_id, "object": "file", "deleted": True}
 
 
-async def _find(door: FrontDoorDep, tenant: str, file_id: str) -> tuple[FileMeta, bytes]:
-    """An uploaded file, or a batch's output or error file, with its content."""
+@dataclass(frozen=True, slots=True)
+class _BatchFile:
+    """A batch's output or error file: read from its lines, a page at a time, when asked for."""
+
+    meta: FileMeta
+    engine: Engine
+    batch_id: str
+    statuses: frozenset[str]
+    page_lines: int
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        return output_file(self.engine, self.batch_id, self.statuses, self.page_lines)
+
+
+async def _find(
+    door: FrontDoorDep, tenant: str, file_id: str
+) -> tuple[FileMeta, bytes] | _BatchFile:
+    """An uploaded file with its content, or a batch's output or error file."""
     named = result_file(file_id)
     if named is not None:
         batch_id, statuses = named
         view = await asyncio.to_thread(store.get_batch, door.batch_engine, tenant, batch_id)
         if view is not None:
-            lines = await asyncio.to_thread(store.lines_of, door.batch_engine, batch_id)
-            content = b"".join(
-                json.dumps(_output_line(line)).encode() + b"\n"
-                for line in lines
-                if line.status in statuses
-            )
             created = view.batch.finished_at or view.batch.created_at
-            meta = FileMeta(file_id, "batch_output", f"{file_id}.jsonl", len(content), created)
-            return meta, content
+            meta = FileMeta(file_id, "batch_output", f"{file_id}.jsonl", 0, created)
+            return _BatchFile(
+                meta, door.batch_engine, batch_id, statuses, door.settings.batch_page_lines
+            )
     found = await asyncio.to_thread(files.read_file, door.batch_engine, tenant, file_id)
     if found is None:  # another tenant's file is indistinguishable from none
         raise NotFound(f"no file {file_id!r}")
     return found
-
-
-def _output_line(line: LineRow) -> dict[str, Any]:
-    """One line of a batch's output or error file, in OpenAI's batch output format."""
-    out: dict[str, Any] = {"id": f"batch_req_{line.call_id}", "custom_id": line.custom_id}
-    result = line.result or {}
-    if line.status == LineStatus.COMPLETED.value:
-        response = {"status_code": result.get("status_code", 200), "request_id": line.call_id}
-        out.update(response=response | {"body": result.get("body")}, error=None)
-    else:
-        error = result.get("error") or {"code": line.error_code, "message": line.status}
-        out.update(response=None, error=error)
-    return out
 
 
 def file_json(meta: FileMeta) -> dict[str, Any]:
