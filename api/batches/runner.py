@@ -180,8 +180,8 @@ class BatchRunner:
     async def _advance(self, batch: BatchRow, now: datetime) -> None:
         run = self._batches.get(batch.id)
         if run is None:
-            rows = await asyncio.to_thread(store.line_states, self.engine, batch.id)
-            lines = BatchLines.build(rows)
+            # Tens of thousands of lines, once: read and indexed off the event loop.
+            lines = await asyncio.to_thread(self._read_lines, batch.id)
             run = self._batches[batch.id] = _BatchRun(lines, dict.fromkeys(lines.sessions))
         elif run.lines.running:
             # Whichever front door collected their results, lines that no longer run ended.
@@ -205,6 +205,9 @@ class BatchRunner:
             await self._keep_leases(batch.id, run)
         if run.lines.done:
             await self._finish(batch, now)
+
+    def _read_lines(self, batch_id: str) -> BatchLines:
+        return BatchLines.build(store.line_states(self.engine, batch_id))
 
     async def _expire(self, batch: BatchRow, run: _BatchRun, now: datetime) -> None:
         grace = (now - batch.expires_at).total_seconds() > EXPIRY_GRACE_S
