@@ -127,16 +127,20 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             # it while calls are served.
             gc.collect()
             gc.freeze()
-            yield
-            await runner.stop()
-            await leases.stop()
-            batch_engine.dispose()
-            await admitter.stop()
-            await state.close()
-            await ledger.stop()
-            await signals.stop()
-            await replies.stop()
-            await watcher.stop()
+            try:
+                yield
+            finally:
+                # Whatever ends the serving, an error included: left running, the collector's
+                # subscription kept the drain below waiting for ever.
+                await runner.stop()
+                await leases.stop()
+                batch_engine.dispose()
+                await admitter.stop()
+                await state.close()
+                await ledger.stop()
+                await signals.stop()
+                await replies.stop()
+                await watcher.stop()
         finally:
             await nc.drain()
 
