@@ -4,7 +4,7 @@ what the path takes. Then schemathesis holds a running front door to the documen
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +15,18 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from hypothesis import HealthCheck, settings
 from openapi_spec_validator import validate
-from schemathesis import Case
+from schemathesis import Case, CheckContext, Response
 
 from api.app import create_app
 from api.deps import get_tenant
 from api.openapi import COMPONENTS
+from api.routes.admin import require_admin
 from broker.natsserver import EmbeddedNats
+from schemas.vocab import Tier
 from tests.procs import start_api
+from tests.tenants import tenant, write_tenants_file
 
+TIERS = [tier.value for tier in Tier]
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 ERROR_SCHEMAS = {COMPONENTS + "ErrorBody", COMPONENTS + "AnthropicErrorBody"}
 
@@ -93,15 +97,53 @@ def test_every_operation_documents_its_errors_in_the_error_shape() -> None:
             assert content["application/json"]["schema"]["$ref"] in ERROR_SCHEMAS
 
 
-def _authenticated(app: FastAPI) -> set[tuple[str, str]]:
-    """The (method, path) of every route whose dependencies name the tenant."""
+def _authenticated(app: FastAPI, guard: Callable[..., Any] = get_tenant) -> set[tuple[str, str]]:
+    """The (method, path) of every route whose dependencies name ``guard``."""
     return {
         (method, route.path)
         for route in app.routes
         if isinstance(route, APIRoute)
-        and any(dep.call is get_tenant for dep in route.dependant.dependencies)
+        and any(dep.call is guard for dep in route.dependant.dependencies)
         for method in route.methods
     }
+
+
+OPEN_OPERATIONS = {
+    ("GET", "/healthz"),
+    ("GET", "/readyz"),
+    ("GET", "/metrics"),
+    ("GET", "/v1/models"),
+}
+"""What a load balancer, Prometheus and a client's model discovery read without a key."""
+
+
+def test_every_operation_declares_the_key_it_needs() -> None:
+    schemes = DOC["components"]["securitySchemes"]
+    assert schemes["TenantKey"] | schemes["AdminToken"] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": schemes["AdminToken"]["description"],
+    }
+    assert schemes["AnthropicKey"] == {
+        "type": "apiKey",
+        "in": "header",
+        "name": "x-api-key",
+        "description": schemes["AnthropicKey"]["description"],
+    }
+    tenant, admin = _authenticated(APP), _authenticated(APP, require_admin)
+    assert admin == {("GET", "/v1/admin/lag"), ("GET", "/v1/admin/workers")}
+    assert "security" not in DOC  # no default: each operation says what it needs
+    for method, path, operation in operations(DOC):
+        # Alternatives: a tenant's key in either header.
+        security = operation.get("security", [])
+        if (method, path) in tenant:
+            assert security == [{"TenantKey": []}, {"AnthropicKey": []}], (method, path)
+        elif (method, path) in admin:
+            assert security == [{"AdminToken": []}], (method, path)
+        else:
+            assert (method, path) in OPEN_OPERATIONS and not security, (method, path)
+        if security:
+            assert "401" in operation["responses"], (method, path)
 
 
 def test_streaming_and_file_routes_document_their_content_types() -> None:
@@ -133,12 +175,25 @@ async def test_a_405_names_every_method_its_path_takes() -> None:
 # -- a running front door against its document -------------------------------------------------
 
 
+TENANT_KEY = "sk-openapi-tenant"
+ADMIN_TOKEN = "openapi-admin-token"
+
+
 @pytest.fixture(scope="module")
 def front_door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A front door with no worker: calls are deferred (503), everything else is served."""
+    """A front door with no worker: calls are deferred (503), everything else is served. It
+    has a tenants file and an admin token, so that every key the document declares is needed.
+    """
     root: Path = tmp_path_factory.mktemp("openapi")
+    tenants = write_tenants_file(root, tenant("openapi", TENANT_KEY, max_tier="guaranteed"))
     with EmbeddedNats(root / "nats", log_file=root / "nats.log") as server:
-        proc, base = start_api(server.url, root, KVGATE_BATCH_RUNNER="false")
+        proc, base = start_api(
+            server.url,
+            root,
+            KVGATE_BATCH_RUNNER="false",
+            KVGATE_TENANTS_FILE=str(tenants),
+            KVGATE_ADMIN_TOKEN=ADMIN_TOKEN,
+        )
         try:
             yield base
         finally:
@@ -151,7 +206,12 @@ async def test_the_front_door_serves_this_document(front_door: str) -> None:
     assert resp.json() == DOC
 
 
-CONTRACT = schemathesis.Config.from_str("""
+CONTRACT = schemathesis.Config.from_str(f"""
+[auth.openapi.TenantKey]
+bearer = "{TENANT_KEY}"
+[auth.openapi.AdminToken]
+bearer = "{ADMIN_TOKEN}"
+
 # 503 with Retry-After is an answer, not a failure: admission defers every call and session
 # while no worker serves (none does here), and /readyz says so.
 [checks.not_a_server_error]
@@ -184,4 +244,14 @@ schema = schemathesis.openapi.from_dict(DOC, config=CONTRACT)
     suppress_health_check=list(HealthCheck),
 )
 def test_the_front_door_keeps_its_documented_contract(case: Case[Any], front_door: str) -> None:
-    case.call_and_validate(base_url=front_door, timeout=30)
+    case.call_and_validate(base_url=front_door, timeout=30, additional_checks=[the_key_is_sent])
+
+
+def the_key_is_sent(ctx: CheckContext, response: Response, case: Case[Any]) -> None:
+    """The keys in ``CONTRACT`` reach the operations that declare them and are taken (else
+    every secured operation would be tested only for refusing a caller); a case that leaves
+    its key out or spoils it on purpose (a negative one) is refused."""
+    sent = response.request.headers.get("Authorization")
+    if case.operation.definition.raw.get("security"):
+        keyed = sent in (f"Bearer {TENANT_KEY}", f"Bearer {ADMIN_TOKEN}")
+        assert (response.status_code == 401) is not keyed, (sent, response.text)

@@ -7,21 +7,30 @@ import time
 from typing import Annotated, Any
 
 import msgspec
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Security
+from fastapi.security import HTTPAuthorizationCredentials
 
-from api.deps import FrontDoorDep
+from api.deps import FrontDoorDep, bearer
 from api.openapi import error_responses
 from broker.errors import Unauthorized
 from broker.lag import fleet_lag
 from schemas.vocab import ErrorCode
 
+ADMIN_TOKEN = bearer(
+    "AdminToken",
+    "The operator's token (`KVGATE_ADMIN_TOKEN`), as `Authorization: Bearer <token>`; not a "
+    "tenant key. With none configured, the admin routes answer 401.",
+)
 
-async def require_admin(request: Request, door: FrontDoorDep) -> None:
+
+async def require_admin(
+    door: FrontDoorDep,
+    bearer: Annotated[HTTPAuthorizationCredentials | None, Security(ADMIN_TOKEN)],
+) -> None:
     expected = door.settings.admin_token
-    header = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     # Compared as the bytes each is sent as: header values arrive as Latin-1 text, and
     # compare_digest refuses text past ASCII (a token like that was a 500, not a 401).
-    given = header.encode("latin-1")
+    given = b"" if bearer is None else bearer.credentials.encode("latin-1")
     if not expected or not given or not hmac.compare_digest(given, expected.encode()):
         raise Unauthorized(
             "admin endpoints need 'Authorization: Bearer <KVGATE_ADMIN_TOKEN>'"
