@@ -15,11 +15,18 @@ from typing import Any
 
 from fastapi import Request
 
+from api.openapi import header
 from broker.errors import BodyTooLarge, InvalidJson, InvalidParameter, InvalidRequest
 from schemas.openai import INT64_MAX, INT64_MIN
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 MAX_IDEMPOTENCY_KEY = 255
+IDEMPOTENCY_PARAMETER = header(
+    IDEMPOTENCY_HEADER,
+    {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY},
+    "A key the client chooses: a repeated request with the same key (within the tenant) "
+    "answers 200 with what the first one created instead of creating it again.",
+)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -21,6 +21,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from api.bodies import parse_json_object
+from api.openapi import header
 from broker.errors import (
     InvalidMaxTokens,
     InvalidMessages,
@@ -40,6 +41,31 @@ from schemas.wire import CallEnvelope
 TIMEOUT_HEADER = "X-Kvgate-Timeout"
 TIER_HEADER = "X-Kvgate-Tier"
 SESSION_HEADER = "X-Kvgate-Session"
+
+CALL_HEADERS: Final = [
+    header(
+        SESSION_HEADER,
+        {"type": "string"},
+        "The id of an admitted session (`POST /v1/sessions`) to run the call in, inside its "
+        "reservation and parallelism; unknown or another tenant's: 404, closed: 409, expired: "
+        "410. Without it, the call is admitted on its own, as a one-call session.",
+    ),
+    header(
+        TIER_HEADER,
+        {"type": "string", "enum": [tier.value for tier in Tier]},
+        "The tier of a call sent without a session (default: the server's `default_tier`, "
+        "lowered to the tenant's highest); above the tenant's highest tier: 403. With "
+        f"{SESSION_HEADER} it may only repeat the session's tier.",
+    ),
+    header(
+        TIMEOUT_HEADER,
+        {"type": "number", "exclusiveMinimum": 0},
+        "Seconds the call may take, queue included: its deadline (default: the server's "
+        "`default_deadline_s`; at most its `max_deadline_s`, 3600 s unless configured). In a "
+        "session, the session's own deadline bounds it too.",
+    ),
+]
+"""The request headers a call reads, as OpenAPI parameters."""
 
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest, MessagesRequest)
 CallRequest = ChatCompletionRequest | CompletionRequest | MessagesRequest

@@ -49,6 +49,18 @@ RETRY_AFTER_HEADER = {
 }
 
 
+def header(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    """An optional request header a route reads itself, as an operation parameter (in a
+    route's ``openapi_extra``, under ``parameters``)."""
+    return {
+        "name": name,
+        "in": "header",
+        "required": False,
+        "schema": schema,
+        "description": description,
+    }
+
+
 def codes_below(group: type[KvgateError]) -> tuple[ErrorCode, ...]:
     """The codes of ``group`` and of every class below it in the error tree."""
     found: list[ErrorCode] = []

@@ -146,6 +146,35 @@ def test_every_operation_declares_the_key_it_needs() -> None:
             assert "401" in operation["responses"], (method, path)
 
 
+def test_the_headers_kvgate_reads_are_parameters_where_it_reads_them() -> None:
+    call_headers = {"X-Kvgate-Session", "X-Kvgate-Tier", "X-Kvgate-Timeout"}
+    expected = {
+        ("POST", "/v1/chat/completions"): call_headers,
+        ("POST", "/v1/completions"): call_headers,
+        ("POST", "/v1/messages"): call_headers,
+        ("POST", "/v1/sessions"): {"Idempotency-Key"},
+        ("POST", "/v1/batches"): {"Idempotency-Key"},
+    }
+    for method, path, operation in operations(DOC):
+        headers = [p for p in operation.get("parameters", []) if p["in"] == "header"]
+        assert {p["name"] for p in headers} == expected.get((method, path), set()), (method, path)
+        for header in headers:
+            assert header["required"] is False and header["description"], header
+            assert header["schema"]["type"] in ("string", "number"), header
+    tier = DOC["paths"]["/v1/chat/completions"]["post"]["parameters"]
+    assert {"name": "X-Kvgate-Tier", "schema": {"type": "string", "enum": list(TIERS)}}.items() <= {
+        k: v for p in tier if p["name"] == "X-Kvgate-Tier" for k, v in p.items()
+    }.items()
+
+
+def test_every_answer_to_wait_on_documents_its_retry_after() -> None:
+    for method, path, operation in operations(DOC):
+        for status in ("429", "503"):
+            response = operation["responses"].get(status)
+            if response is not None and path != "/readyz":
+                assert "Retry-After" in response.get("headers", {}), (method, path, status)
+
+
 def test_streaming_and_file_routes_document_their_content_types() -> None:
     def ok_types(path: str, method: str = "get") -> set[str]:
         return set(DOC["paths"][path][method]["responses"]["200"]["content"])

@@ -31,7 +31,13 @@ from api.batches.store import (
     error_file_id,
     output_file_id,
 )
-from api.bodies import IDEMPOTENCY_HEADER, idempotency_key, parse_json_object, read_body
+from api.bodies import (
+    IDEMPOTENCY_HEADER,
+    IDEMPOTENCY_PARAMETER,
+    idempotency_key,
+    parse_json_object,
+    read_body,
+)
 from api.deps import FrontDoorDep, TenantDep
 from api.openapi import Responses, error_responses
 from broker.db import utcnow
@@ -44,7 +50,8 @@ _CREATE_BATCH_DOC = {
     "parameters": [
         {"name": name, "in": "query", "required": False, "schema": schema}
         for name, schema in BATCH_OPTIONS_SCHEMA.items()
-    ],
+    ]
+    + [IDEMPOTENCY_PARAMETER],
     "requestBody": {
         "required": True,
         "content": {

@@ -8,7 +8,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from api.bodies import IDEMPOTENCY_HEADER, idempotency_key, parse_json_object, read_body
+from api.bodies import (
+    IDEMPOTENCY_HEADER,
+    IDEMPOTENCY_PARAMETER,
+    idempotency_key,
+    parse_json_object,
+    read_body,
+)
 from api.deps import FrontDoorDep, TenantDep
 from api.openapi import codes_below, error_responses, json_body
 from broker.admission import needs
@@ -32,7 +38,7 @@ _SESSION_RESPONSES = {
 
 @router.post(
     "",
-    openapi_extra=json_body(SessionCreate),
+    openapi_extra={**json_body(SessionCreate), "parameters": [IDEMPOTENCY_PARAMETER]},
     response_model=None,
     status_code=201,
     responses={
