@@ -61,6 +61,29 @@ def header(name: str, schema: dict[str, Any], description: str) -> dict[str, Any
     }
 
 
+def link(
+    method: str,
+    path: str,
+    description: str,
+    parameters: dict[str, str] | None = None,
+    request_body: Any = None,
+) -> dict[str, Any]:
+    """An OpenAPI link from a response to the operation ``method path``: what a client (and
+    schemathesis' stateful tests) may call next with what the response holds.
+    ``parameters`` maps the target's parameters (``header.<name>`` for a header) to runtime
+    expressions such as ``$response.body#/id``."""
+    pointer = path.replace("~", "~0").replace("/", "~1")
+    found: dict[str, Any] = {
+        "operationRef": f"#/paths/{pointer}/{method.lower()}",
+        "description": description,
+    }
+    if parameters:
+        found["parameters"] = parameters
+    if request_body is not None:
+        found["requestBody"] = request_body
+    return found
+
+
 def codes_below(group: type[KvgateError]) -> tuple[ErrorCode, ...]:
     """The codes of ``group`` and of every class below it in the error tree."""
     found: list[ErrorCode] = []

@@ -4,6 +4,9 @@ what the path takes. Then schemathesis holds a running front door to the documen
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from hypothesis import HealthCheck, settings
 from openapi_spec_validator import validate
-from schemathesis import Case, CheckContext, Response
+from schemathesis import Case, CheckContext, CheckFunction, Response
 
 from api.app import create_app
 from api.deps import get_tenant
@@ -23,8 +26,11 @@ from api.openapi import COMPONENTS
 from api.routes.admin import require_admin
 from broker.natsserver import EmbeddedNats
 from schemas.vocab import Tier
+from tests.polling import READY_BOUND_S
 from tests.procs import start_api
+from tests.simworker import sim_worker
 from tests.tenants import tenant, write_tenants_file
+from workers.sim_engine import SimEngine, SimEngineConfig
 
 TIERS = [tier.value for tier in Tier]
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
@@ -204,29 +210,79 @@ async def test_a_405_names_every_method_its_path_takes() -> None:
 # -- a running front door against its document -------------------------------------------------
 
 
+SERVED_MODEL = "kvgate-dev"
+"""The model a front door expects by default (``ApiSettings.served_model_name``)."""
 TENANT_KEY = "sk-openapi-tenant"
 ADMIN_TOKEN = "openapi-admin-token"
+TENANT_AUTH = {"Authorization": f"Bearer {TENANT_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def front_door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    root: Path = tmp_path_factory.mktemp("nats")
+    with EmbeddedNats(root / "store", log_file=root / "nats.log") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def front_door(tmp_path_factory: pytest.TempPathFactory, nats: EmbeddedNats) -> Iterator[str]:
     """A front door with no worker: calls are deferred (503), everything else is served. It
     has a tenants file and an admin token, so that every key the document declares is needed.
     """
     root: Path = tmp_path_factory.mktemp("openapi")
-    tenants = write_tenants_file(root, tenant("openapi", TENANT_KEY, max_tier="guaranteed"))
-    with EmbeddedNats(root / "nats", log_file=root / "nats.log") as server:
-        proc, base = start_api(
-            server.url,
-            root,
-            KVGATE_BATCH_RUNNER="false",
-            KVGATE_TENANTS_FILE=str(tenants),
-            KVGATE_ADMIN_TOKEN=ADMIN_TOKEN,
-        )
+    # Quotas no run reaches: a refusal must depend on the request, not on what earlier cases
+    # left behind (Hypothesis replays a stateful case and expects the same answers).
+    quotas = {"max_sessions": 10**6, "max_parallel_calls": 10**9, "tokens_per_minute": 10**15}
+    tenants = write_tenants_file(
+        root, tenant("openapi", TENANT_KEY, max_tier="guaranteed", **quotas)
+    )
+    proc, base = start_api(
+        nats.url,
+        root,
+        KVGATE_BATCH_RUNNER="false",
+        KVGATE_TENANTS_FILE=str(tenants),
+        KVGATE_ADMIN_TOKEN=ADMIN_TOKEN,
+    )
+    try:
+        yield base
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def served(front_door: str, nats: EmbeddedNats) -> Iterator[str]:
+    """``front_door`` with a worker on the simulated engine serving its model, so that sessions
+    are admitted and calls answered. The worker runs on an event loop of its own, in a thread:
+    schemathesis' state machine calls the front door synchronously."""
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    started = threading.Event()
+    failed: list[BaseException] = []
+    engine = SimEngine(
+        SimEngineConfig(served_model_name=SERVED_MODEL, step_s=0.001, kv_capacity_tokens=1 << 20)
+    )
+
+    async def serve() -> None:
         try:
-            yield base
+            async with sim_worker(engine, nats.url, "openapi-sim", ready_at=front_door):
+                started.set()
+                await stop.wait()
+        except BaseException as exc:
+            failed.append(exc)
+            raise
         finally:
-            proc.stop()
+            started.set()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),))
+    thread.start()
+    try:
+        started.wait(READY_BOUND_S + 15)
+        assert started.is_set() and not failed, failed
+        yield front_door
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        loop.close()
 
 
 async def test_the_front_door_serves_this_document(front_door: str) -> None:
@@ -255,13 +311,20 @@ expected-statuses = ["2xx", "3xx", "4xx", "503"]
 include-method = "POST"
 include-path-regex = "^/v1/(chat/completions|completions|messages|sessions|batches)$"
 checks.positive_data_acceptance.enabled = false
+
+# Closing a session (DELETE) ends it but keeps it to read: GET answers it with `state` closed
+# (and a call in it 409 session_closed), so a closed session is not a deleted resource.
+[[operations]]
+include-method = "GET"
+include-path = "/v1/sessions/{{session_id}}"
+checks.use_after_free.enabled = false
 """)
 # Batch lines uploaded as JSONL are text.
 schemathesis.serializer.alias("application/jsonl", "text/plain")
 
 # Built at import: schemathesis makes one test per operation at collection. Its fixture-loaded
 # schema (`schemathesis.pytest.from_fixture`) does not run under pytest 9.
-schema = schemathesis.openapi.from_dict(DOC, config=CONTRACT)
+schema = schemathesis.openapi.from_dict(copy.deepcopy(DOC), config=CONTRACT)
 
 
 @schema.parametrize()
@@ -284,3 +347,82 @@ def the_key_is_sent(ctx: CheckContext, response: Response, case: Case[Any]) -> N
     if case.operation.definition.raw.get("security"):
         keyed = sent in (f"Bearer {TENANT_KEY}", f"Bearer {ADMIN_TOKEN}")
         assert (response.status_code == 401) is not keyed, (sent, response.text)
+
+
+def test_the_front_door_keeps_its_contract_across_linked_calls(served: str) -> None:
+    """Schemathesis' stateful phase: sequences of calls chained by the document's links (a
+    session created, then inspected, called in and closed; a batch followed, cancelled and
+    collected; a file read and deleted, or run as a batch), every check after every step."""
+    # Its own copy: the state machine adds the links it infers to the schema it is built from.
+    machine = schemathesis.openapi.from_dict(copy.deepcopy(DOC), config=CONTRACT)
+
+    class Linked(machine.as_state_machine()):  # type: ignore[misc]
+        opened: list[str]
+
+        def setup(self) -> None:
+            self.opened = []
+
+        def get_call_kwargs(self, case: Case[Any]) -> dict[str, Any]:
+            return {"base_url": served, "timeout": 30}
+
+        def after_call(self, response: Response, case: Case[Any]) -> None:
+            super().after_call(response, case)
+            if (case.method, case.path) == ("POST", "/v1/sessions") and response.status_code < 300:
+                self.opened.append(response.json()["id"])
+
+        def teardown(self) -> None:
+            # Each scenario starts from the fleet as the last one found it: its sessions'
+            # reservations go back (the sessions stay, closed).
+            with httpx.Client(base_url=served, headers=TENANT_AUTH) as client:
+                for session_id in self.opened:
+                    assert client.delete(f"/v1/sessions/{session_id}").status_code == 200
+            super().teardown()
+
+        def validate_response(
+            self,
+            response: Response,
+            case: Case[Any],
+            additional_checks: list[CheckFunction] | None = None,
+            **kwargs: Any,
+        ) -> None:
+            checks = [*(additional_checks or ()), the_key_is_sent]
+            super().validate_response(response, case, additional_checks=checks, **kwargs)
+
+    Linked.run(
+        settings=settings(
+            max_examples=30,
+            stateful_step_count=8,
+            derandomize=True,
+            database=None,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        )
+    )
+
+
+def test_every_link_names_an_operation_and_its_parameters() -> None:
+    links = [
+        (source, name, link)
+        for _, source, operation in operations(DOC)
+        for response in operation["responses"].values()
+        for name, link in response.get("links", {}).items()
+    ]
+    assert {name for _, name, _ in links} >= {
+        "GetSession",
+        "CloseSession",
+        "CallInSession",
+        "GetBatch",
+        "CancelBatch",
+        "BatchResults",
+        "GetFile",
+        "FileContent",
+        "DeleteFile",
+        "BatchFromFile",
+    }
+    for source, name, link in links:
+        target = resolve(DOC, link["operationRef"])
+        taken = {f"{p['in']}.{p['name']}" for p in target.get("parameters", [])}
+        for parameter, expression in link.get("parameters", {}).items():
+            qualified = parameter if "." in parameter else f"path.{parameter}"
+            assert qualified in taken, (source, name, parameter)
+            assert expression == "$response.body#/id", (source, name)

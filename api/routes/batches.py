@@ -39,7 +39,7 @@ from api.bodies import (
     read_body,
 )
 from api.deps import FrontDoorDep, TenantDep
-from api.openapi import Responses, error_responses
+from api.openapi import Responses, error_responses, link
 from broker.db import utcnow
 from broker.errors import BatchNotFound, InvalidRequest, NotFound, UnsupportedParameter
 from schemas.vocab import ErrorCode, Tier
@@ -60,6 +60,14 @@ _CREATE_BATCH_DOC = {
         },
     },
 }
+_BY_ID = {"batch_id": "$response.body#/id"}
+_BATCH_LINKS = {
+    "GetBatch": link("GET", "/v1/batches/{batch_id}", "Follow the batch.", _BY_ID),
+    "CancelBatch": link("POST", "/v1/batches/{batch_id}/cancel", "Cancel the batch.", _BY_ID),
+    "BatchResults": link(
+        "GET", "/v1/batches/{batch_id}/results", "Collect the batch's results.", _BY_ID
+    ),
+}
 _BATCH_RESPONSES: Responses = {
     200: {"description": "The batch."},
     **error_responses(ErrorCode.UNAUTHORIZED, ErrorCode.BATCH_NOT_FOUND),
@@ -75,8 +83,12 @@ _BATCH_RESPONSES: Responses = {
         200: {
             "description": f"The batch created before under this {IDEMPOTENCY_HEADER}.",
             "content": {"application/json": {"schema": {"type": "object"}}},
+            "links": _BATCH_LINKS,
         },
-        201: {"description": "The batch, created; `errors` lists its invalid lines."},
+        201: {
+            "description": "The batch, created; `errors` lists its invalid lines.",
+            "links": _BATCH_LINKS,
+        },
         **error_responses(
             ErrorCode.INVALID_JSON,
             ErrorCode.INVALID_REQUEST,

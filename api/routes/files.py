@@ -24,7 +24,7 @@ from api.batches.files import FileMeta
 from api.batches.results import output_file
 from api.batches.store import result_file
 from api.deps import FrontDoorDep, TenantDep
-from api.openapi import error_responses
+from api.openapi import error_responses, link
 from broker.db import utcnow
 from broker.errors import (
     BodyTooLarge,
@@ -60,19 +60,34 @@ _UPLOAD_DOC = {
     }
 }
 _FILE_ERRORS = (ErrorCode.UNAUTHORIZED, ErrorCode.NOT_FOUND)
+_BY_ID = {"file_id": "$response.body#/id"}
+_FILE_LINKS = {
+    "GetFile": link("GET", "/v1/files/{file_id}", "The file's description.", _BY_ID),
+    "FileContent": link("GET", "/v1/files/{file_id}/content", "The file's bytes.", _BY_ID),
+    "DeleteFile": link("DELETE", "/v1/files/{file_id}", "Delete the file.", _BY_ID),
+    "BatchFromFile": link(
+        "POST",
+        "/v1/batches",
+        "Run the file's lines as a batch.",
+        request_body={"input_file_id": "$response.body#/id"},
+    ),
+}
 
 
 @router.post(
     "",
     status_code=200,
     openapi_extra=_UPLOAD_DOC,
-    responses=error_responses(
-        ErrorCode.INVALID_REQUEST,
-        ErrorCode.UNSUPPORTED_PARAMETER,
-        ErrorCode.BODY_TOO_LARGE,
-        ErrorCode.UNSUPPORTED_MEDIA_TYPE,
-        ErrorCode.UNAUTHORIZED,
-    ),
+    responses={
+        200: {"description": "The file, stored.", "links": _FILE_LINKS},
+        **error_responses(
+            ErrorCode.INVALID_REQUEST,
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            ErrorCode.BODY_TOO_LARGE,
+            ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+            ErrorCode.UNAUTHORIZED,
+        ),
+    },
 )
 async def create_file(request: Request, door: FrontDoorDep, tenant: TenantDep) -> dict[str, Any]:
     limit = door.settings.max_body_bytes * 64

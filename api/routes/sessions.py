@@ -15,8 +15,9 @@ from api.bodies import (
     parse_json_object,
     read_body,
 )
+from api.chat_request import SESSION_HEADER
 from api.deps import FrontDoorDep, TenantDep
-from api.openapi import codes_below, error_responses, json_body
+from api.openapi import codes_below, error_responses, json_body, link
 from broker.admission import needs
 from broker.admission.state import SessionRecord
 from broker.errors import InvalidParameter, InvalidTier, Refused
@@ -28,6 +29,17 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 MAX_WAIT_SHARE_OF_DEADLINE = 0.25
 """A session held longer than this share of its deadline is left too little time to finish in
 (the deadline check at admission assumes the fastest speed the fleet shows): answer instead."""
+_BY_ID = {"session_id": "$response.body#/id"}
+_SESSION_LINKS = {
+    "GetSession": link("GET", "/v1/sessions/{session_id}", "Inspect the session.", _BY_ID),
+    "CloseSession": link("DELETE", "/v1/sessions/{session_id}", "Close the session.", _BY_ID),
+    "CallInSession": link(
+        "POST",
+        "/v1/chat/completions",
+        "Run a call in the session.",
+        {f"header.{SESSION_HEADER}": "$response.body#/id"},
+    ),
+}
 _SESSION_RESPONSES = {
     200: {"model": SessionOut, "description": "The session."},
     **error_responses(
@@ -45,8 +57,9 @@ _SESSION_RESPONSES = {
         200: {
             "model": SessionOut,
             "description": f"The session admitted before under this {IDEMPOTENCY_HEADER}.",
+            "links": _SESSION_LINKS,
         },
-        201: {"model": SessionOut, "description": "Admitted."},
+        201: {"model": SessionOut, "description": "Admitted.", "links": _SESSION_LINKS},
         **error_responses(
             ErrorCode.INVALID_JSON,
             ErrorCode.INVALID_REQUEST,
