@@ -19,9 +19,11 @@ MetadataValue = str | int | float | bool
 class SessionCreate(BaseModel):
     """What an agent session declares it will need. All but ``tier`` have defaults."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Strict: a number is a JSON number, as the document says; lax mode took `false` or "30"
+    # for one. The tier alone is read from its name.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    tier: Tier
+    tier: Tier = Field(strict=False)
     max_parallel: int = Field(default=1, ge=1)
     min_parallel: int | None = Field(default=None, ge=1)
     """The fewest calls in flight the session accepts; where ``max_parallel`` does not fit, it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +25,8 @@ from api.app import create_app
 from api.deps import get_tenant
 from api.openapi import COMPONENTS
 from api.routes.admin import require_admin
+from api.routes.sessions import parse_session_create
+from broker.errors import InvalidParameter
 from broker.natsserver import EmbeddedNats
 from schemas.vocab import Tier
 from tests.polling import READY_BOUND_S
@@ -179,6 +182,26 @@ def test_every_answer_to_wait_on_documents_its_retry_after() -> None:
             response = operation["responses"].get(status)
             if response is not None and path != "/readyz":
                 assert "Retry-After" in response.get("headers", {}), (method, path, status)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"max_wait_s": False},
+        {"deadline_s": True},
+        {"idle_timeout_s": "30"},
+        {"max_parallel": True},
+        {"expected_calls": "2"},
+        {"min_parallel": "1"},
+    ],
+)
+def test_a_session_body_the_document_refuses_is_refused(field: dict[str, Any]) -> None:
+    # Found by schemathesis: `"max_wait_s": false` was admitted as 0 s (pydantic's lax mode
+    # takes a boolean or a numeric string for a number), where the document says a number.
+    body = json.dumps({"tier": "standard", **field}).encode()
+    with pytest.raises(InvalidParameter) as refused:
+        parse_session_create(body)
+    assert refused.value.param == next(iter(field))
 
 
 def test_streaming_and_file_routes_document_their_content_types() -> None:
