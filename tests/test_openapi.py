@@ -314,6 +314,24 @@ async def test_the_front_door_serves_this_document(front_door: str) -> None:
     assert resp.json() == DOC
 
 
+@pytest.mark.parametrize("query", ["completion_window=", "completion_window=7d", "tier=gold"])
+async def test_a_batch_option_the_document_refuses_is_refused_where_the_body_names_it_too(
+    front_door: str, query: str
+) -> None:
+    # Found by schemathesis: the body's option replaced the query's before either was read, so
+    # an invalid query option was taken (201) whenever the body named a valid one.
+    chat = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "Say hello."}]}
+    body = {
+        "requests": [{"custom_id": "q1", "body": chat}],
+        "completion_window": "24h",
+        "tier": "besteffort",
+    }
+    async with httpx.AsyncClient(base_url=front_door, headers=TENANT_AUTH) as client:
+        resp = await client.post(f"/v1/batches?{query}", json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == query.split("=")[0]
+
+
 CONTRACT = schemathesis.Config.from_str(f"""
 [auth.openapi.TenantKey]
 bearer = "{TENANT_KEY}"

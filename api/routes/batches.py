@@ -17,6 +17,8 @@ from api.batches.request import (
     CHAT_URL,
     JSONL_TYPES,
     ParsedLine,
+    batch_tier,
+    completion_window_s,
     is_jsonl,
     parse_file_submission,
     parse_submission,
@@ -105,6 +107,7 @@ _BATCH_RESPONSES: Responses = {
 )
 async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) -> JSONResponse:
     settings = door.settings
+    check_query_options(request)
     key = idempotency_key(request)
     if key is None:  # a retry under a key that made a batch gets that batch, not a refusal
         # Refused before a body of up to 64 MiB is read and parsed; counted again as it is stored.
@@ -175,6 +178,17 @@ async def create_batch(request: Request, door: FrontDoorDep, tenant: TenantDep) 
         body["errors"] = [e.to_json() for e in submission.errors]
         door.batch_runner.wake()
     return JSONResponse(body, status_code=201 if created else 200)
+
+
+def check_query_options(request: Request) -> None:
+    """400 for an option in the query that is not valid, even where the body names the same
+    option (the body's is the one used): the document takes both, and the parsers read only the
+    merged options, where a valid one in the body hid an invalid one in the query."""
+    params = request.query_params
+    if "completion_window" in params:
+        completion_window_s(params["completion_window"])
+    if "tier" in params:
+        batch_tier(params["tier"])
 
 
 def line_rows(batch_id: str, lines: list[ParsedLine], now: datetime) -> list[dict[str, Any]]:
