@@ -67,6 +67,13 @@ CALL_HEADERS: Final = [
 ]
 """The request headers a call reads, as OpenAPI parameters."""
 
+_EXAMPLE_MODEL: Final = ApiSettings.model_fields["served_model_name"].default
+_SAY_HELLO: Final = [{"role": "user", "content": "Say hello."}]
+CHAT_EXAMPLE: Final = {"model": _EXAMPLE_MODEL, "messages": _SAY_HELLO, "max_tokens": 16}
+COMPLETION_EXAMPLE: Final = {"model": _EXAMPLE_MODEL, "prompt": "Say hello.", "max_tokens": 16}
+MESSAGES_EXAMPLE: Final = {"model": _EXAMPLE_MODEL, "max_tokens": 16, "messages": _SAY_HELLO}
+"""Request bodies for the OpenAPI document, each one the front door takes."""
+
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest, MessagesRequest)
 CallRequest = ChatCompletionRequest | CompletionRequest | MessagesRequest
 """A request kvgate queues: OpenAI chat completions or completions, or Anthropic messages."""

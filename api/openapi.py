@@ -97,12 +97,16 @@ def codes_below(group: type[KvgateError]) -> tuple[ErrorCode, ...]:
     return tuple(found)
 
 
-def json_body(model: type[BaseModel]) -> dict[str, Any]:
-    """A route's ``openapi_extra`` for a required JSON body that ``model`` describes."""
+def json_body(model: type[BaseModel], example: dict[str, Any]) -> dict[str, Any]:
+    """A route's ``openapi_extra`` for a required JSON body that ``model`` describes, with an
+    ``example`` the route takes (what a reader copies first, and what schemathesis' examples
+    phase sends)."""
     return {
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": model.model_json_schema()}},
+            "content": {
+                "application/json": {"schema": model.model_json_schema(), "example": example}
+            },
         }
     }
 

@@ -40,6 +40,7 @@ from api.bodies import (
     parse_json_object,
     read_body,
 )
+from api.chat_request import CHAT_EXAMPLE
 from api.deps import FrontDoorDep, TenantDep
 from api.openapi import Responses, error_responses, link
 from broker.db import utcnow
@@ -48,6 +49,17 @@ from schemas.vocab import ErrorCode, Tier
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
+BATCH_EXAMPLE = {
+    "requests": [
+        {
+            "custom_id": f"q{n}",
+            "body": {**CHAT_EXAMPLE, "messages": [{"role": "user", "content": q}]},
+        }
+        for n, q in enumerate(("Say hello.", "Count to three."), start=1)
+    ],
+    "completion_window": "24h",
+}
+"""A body for the OpenAPI document: two chat completions."""
 _CREATE_BATCH_DOC = {
     "parameters": [
         {"name": name, "in": "query", "required": False, "schema": schema}
@@ -57,7 +69,7 @@ _CREATE_BATCH_DOC = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {"schema": BATCH_BODY_SCHEMA},
+            "application/json": {"schema": BATCH_BODY_SCHEMA, "example": BATCH_EXAMPLE},
             JSONL_TYPES[0]: {"schema": {"type": "string", "description": "One batch line a line."}},
         },
     },

@@ -26,6 +26,9 @@ from api.bodies import read_body
 from api.calls import Restarted, failure_error, follow_call
 from api.chat_request import (
     CALL_HEADERS,
+    CHAT_EXAMPLE,
+    COMPLETION_EXAMPLE,
+    MESSAGES_EXAMPLE,
     SESSION_HEADER,
     TIER_HEADER,
     CallRequest,
@@ -122,7 +125,7 @@ OPENAI_CALL_RESPONSES = _call_responses(ErrorBody, "ending with `data: [DONE]`")
 
 @router.post(
     "/v1/chat/completions",
-    openapi_extra={**json_body(ChatCompletionRequest), "parameters": CALL_HEADERS},
+    openapi_extra={**json_body(ChatCompletionRequest, CHAT_EXAMPLE), "parameters": CALL_HEADERS},
     response_model=None,
     responses=OPENAI_CALL_RESPONSES,
 )
@@ -135,7 +138,7 @@ async def create_chat_completion(
 
 @router.post(
     "/v1/completions",
-    openapi_extra={**json_body(CompletionRequest), "parameters": CALL_HEADERS},
+    openapi_extra={**json_body(CompletionRequest, COMPLETION_EXAMPLE), "parameters": CALL_HEADERS},
     response_model=None,
     responses=OPENAI_CALL_RESPONSES,
 )
@@ -147,7 +150,7 @@ async def create_completion(request: Request, door: FrontDoorDep, tenant: Tenant
 
 @router.post(
     "/v1/messages",
-    openapi_extra={**json_body(MessagesRequest), "parameters": CALL_HEADERS},
+    openapi_extra={**json_body(MessagesRequest, MESSAGES_EXAMPLE), "parameters": CALL_HEADERS},
     response_model=None,
     responses=_call_responses(AnthropicErrorBody, "ending with `message_stop`"),
 )

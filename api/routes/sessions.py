@@ -29,16 +29,33 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 MAX_WAIT_SHARE_OF_DEADLINE = 0.25
 """A session held longer than this share of its deadline is left too little time to finish in
 (the deadline check at admission assumes the fastest speed the fleet shows): answer instead."""
+SESSION_EXAMPLE = {
+    "tier": "standard",
+    "max_parallel": 4,
+    "expected_calls": 12,
+    "est_prompt_tokens": 2000,
+    "est_output_tokens": 300,
+    "deadline_s": 600,
+}
+"""A body for the OpenAPI document: an agent that fans out four calls at a time, twelve in all."""
 _BY_ID = {"session_id": "$response.body#/id"}
+_IN_IT = {f"header.{SESSION_HEADER}": "$response.body#/id"}
 _SESSION_LINKS = {
     "GetSession": link("GET", "/v1/sessions/{session_id}", "Inspect the session.", _BY_ID),
     "CloseSession": link("DELETE", "/v1/sessions/{session_id}", "Close the session.", _BY_ID),
-    "CallInSession": link(
-        "POST",
-        "/v1/chat/completions",
-        "Run a call in the session.",
-        {f"header.{SESSION_HEADER}": "$response.body#/id"},
-    ),
+    **{
+        f"{name}InSession": link(
+            "POST",
+            path,
+            "Run a call in the session.",
+            {f"header.{SESSION_HEADER}": "$response.body#/id"},
+        )
+        for name, path in (
+            ("Chat", "/v1/chat/completions"),
+            ("Completion", "/v1/completions"),
+            ("Message", "/v1/messages"),
+        )
+    },
 }
 _SESSION_RESPONSES = {
     200: {"model": SessionOut, "description": "The session."},
@@ -50,7 +67,10 @@ _SESSION_RESPONSES = {
 
 @router.post(
     "",
-    openapi_extra={**json_body(SessionCreate), "parameters": [IDEMPOTENCY_PARAMETER]},
+    openapi_extra={
+        **json_body(SessionCreate, SESSION_EXAMPLE),
+        "parameters": [IDEMPOTENCY_PARAMETER],
+    },
     response_model=None,
     status_code=201,
     responses={
