@@ -421,6 +421,24 @@ def the_key_is_sent(ctx: CheckContext, response: Response, case: Case[Any]) -> N
         assert (response.status_code == 401) is not keyed, (sent, response.text)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages"])
+async def test_a_call_whose_own_timeout_passes_before_it_starts_is_a_504(
+    served: str, path: str
+) -> None:
+    # Found by schemathesis: with X-Kvgate-Timeout 5e-324 a call sent without a session was
+    # answered 410 session_expired, naming the one-call session the caller never saw.
+    body = {"model": SERVED_MODEL, "max_tokens": 4}
+    body |= {"prompt": "Hi"} if path == "/v1/completions" else {"messages": _SAY_HI}
+    async with httpx.AsyncClient(base_url=served, headers=TENANT_AUTH) as client:
+        resp = await client.post(path, json=body, headers={"X-Kvgate-Timeout": "5e-324"})
+    assert resp.status_code == 504, resp.text
+    assert resp.json()["error"]["code"] == "deadline_exceeded"
+    assert resp.headers["Retry-After"] == "1"
+
+
+_SAY_HI = [{"role": "user", "content": "Hi"}]
+
+
 STATEFUL = settings(
     max_examples=30,
     stateful_step_count=8,

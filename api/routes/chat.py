@@ -51,6 +51,7 @@ from broker.admission.state import CallCharge, SessionRecord
 from broker.admission.tenants import Tenant
 from broker.errors import (
     Cancelled,
+    DeadlineExceeded,
     InternalError,
     InvalidRequest,
     InvalidTier,
@@ -58,6 +59,7 @@ from broker.errors import (
     Refused,
     RetryableError,
     ServerError,
+    SessionExpired,
     WorkerLost,
 )
 from schemas.openai import (
@@ -241,9 +243,16 @@ async def _admitted_call(
     ends with its call."""
     slot = contextlib.AsyncExitStack()
     try:
-        await slot.enter_async_context(
-            door.leases.call_slot(record, call.call_id, call.deadline_ms, charge)
-        )
+        try:
+            await slot.enter_async_context(
+                door.leases.call_slot(record, call.call_id, call.deadline_ms, charge)
+            )
+        except SessionExpired:
+            if not one_call:
+                raise
+            # A one-call session lives as long as its call's own timeout: the call ran out of
+            # time before it started. Its caller named no session; 410 would name one it never saw.
+            raise DeadlineExceeded("the call's timeout passed before it could start") from None
         events = follow_call(door.calls, call, objective, session_calls=record.expected_calls)
         async with contextlib.aclosing(events):
             async for item in events:
