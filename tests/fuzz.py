@@ -1,0 +1,120 @@
+"""schemathesis' command line, every phase (stateful included), against a real front door: NATS,
+the front door (a tenants file, an admin token) and a worker on the simulated engine, so that
+sessions are admitted and calls answered. The suite runs a bounded version of the same
+(``tests/test_openapi.py``); this is the larger run whose figures docs/reliability.md reports.
+
+    python -m tests.fuzz --out loadtests/results/fuzz -- \\
+        --phases examples,coverage,fuzzing,stateful --max-examples 200 --seed 42
+
+Everything after ``--`` goes to ``schemathesis run``. Its reports (JUnit, NDJSON) and the front
+door's log land in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+from broker.natsserver import EmbeddedNats
+from tests.procs import start_api
+from tests.simworker import sim_worker
+from tests.tenants import tenant, write_tenants_file
+from workers.sim_engine import SimEngine, SimEngineConfig
+
+MODEL = "kvgate-sim"
+TENANT_KEY = "fuzz-tenant-key"
+ADMIN_TOKEN = "fuzz-admin-token"
+
+# The same contract as tests/test_openapi.py's: 503 and 504 with Retry-After are answers; what
+# the schema cannot say of a call or session body (operator limits, rules across fields) may be
+# refused although schema-valid; a closed session stays readable, as designed.
+CONFIG = """
+[auth.openapi.TenantKey]
+bearer = "{tenant_key}"
+[auth.openapi.AdminToken]
+bearer = "{admin_token}"
+
+[checks.not_a_server_error]
+expected-statuses = ["2xx", "3xx", "4xx", "503", "504"]
+
+[[operations]]
+include-method = "POST"
+include-path-regex = "^/v1/(chat/completions|completions|messages|sessions|batches)$"
+checks.positive_data_acceptance.enabled = false
+
+[[operations]]
+include-method = "GET"
+include-path = "/v1/sessions/{{session_id}}"
+checks.use_after_free.enabled = false
+"""
+HOOKS = """import schemathesis
+
+# Batch lines uploaded as JSONL are text.
+schemathesis.serializer.alias("application/jsonl", "text/plain")
+"""
+
+
+def prepare(out: Path) -> tuple[Path, Path]:
+    """The run folder: the tenants file, schemathesis' configuration and hooks."""
+    out.mkdir(parents=True, exist_ok=True)
+    quotas = {"max_sessions": 10**6, "max_parallel_calls": 10**9, "tokens_per_minute": 10**15}
+    tenants = write_tenants_file(out, tenant("fuzz", TENANT_KEY, max_tier="guaranteed", **quotas))
+    config = out / "schemathesis.toml"
+    config.write_text(CONFIG.format(tenant_key=TENANT_KEY, admin_token=ADMIN_TOKEN))
+    (out / "fuzz_hooks.py").write_text(HOOKS)
+    return tenants, config
+
+
+async def fuzz(out: Path, tenants: Path, config: Path, args: list[str]) -> int:
+    with EmbeddedNats(out / "nats", log_file=out / "nats.log") as server:
+        proc, base = start_api(
+            server.url,
+            out,
+            KVGATE_BATCH_RUNNER="false",
+            KVGATE_TENANTS_FILE=str(tenants),
+            KVGATE_ADMIN_TOKEN=ADMIN_TOKEN,
+            KVGATE_SERVED_MODEL_NAME=MODEL,
+        )
+        try:
+            engine = SimEngine(
+                SimEngineConfig(served_model_name=MODEL, step_s=0.001, kv_capacity_tokens=1 << 20)
+            )
+            async with sim_worker(engine, server.url, "fuzz-sim", ready_at=base):
+                schemathesis = Path(sys.executable).parent / "schemathesis"
+                cmd = [
+                    str(schemathesis),
+                    "--config-file",
+                    str(config),
+                    "run",
+                    f"{base}/openapi.json",
+                    "--report",
+                    "junit,ndjson",
+                    "--report-dir",
+                    str(out / "report"),
+                    *args,
+                ]
+                env = {**os.environ, "SCHEMATHESIS_HOOKS": "fuzz_hooks", "PYTHONPATH": str(out)}
+                started = time.monotonic()
+                child = await asyncio.create_subprocess_exec(*cmd, env=env)
+                code = await child.wait()
+                print(f"schemathesis exited {code} after {time.monotonic() - started:.0f} s")
+                return code
+        finally:
+            proc.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("loadtests/results/fuzz"))
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="after --: schemathesis run's")
+    options = parser.parse_args()
+    args = options.args[1:] if options.args[:1] == ["--"] else options.args
+    return asyncio.run(fuzz(options.out, *prepare(options.out), args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
