@@ -70,6 +70,10 @@ from workers.tracing import CallTrace
 
 log = logging.getLogger(__name__)
 
+DRAIN_CANCEL_BOUND_S = 10.0
+"""After the drain's grace, how long its cancelled calls may take to end before the worker
+hands them back and stops regardless (seen once in CI: a worker draining for ever)."""
+
 # How often a call that is not streamed tells its caller that it is still generating (the
 # engine yields at least this often too); far below the front door's idle timeout (60 s).
 _PROGRESS_S = 5.0
@@ -666,12 +670,22 @@ class Worker:
         grace = self.settings.drain_grace_s
         log.info("draining %d running calls (grace %.0fs)", len(tasks), grace)
         _, pending = await asyncio.wait(tasks, timeout=grace)
+        stuck = []
         for call in [self._calls[call_id] for call_id in self._core.running_ids()]:
             if call.task in pending:
                 call.stop_reason = call.stop_reason or _StopReason.DRAIN
                 call.task.cancel()
-        if pending:
-            await asyncio.wait(pending)
+                stuck.append(call)
+        if not pending:
+            return
+        _, pending = await asyncio.wait(pending, timeout=DRAIN_CANCEL_BOUND_S)
+        # A call whose cancel did not end it (an engine that does not answer its abort) must
+        # not keep the worker from stopping: its message goes back for another worker now.
+        for call in stuck:
+            if call.task in pending:
+                log.error("call %s did not stop when cancelled; handing it back", call.call_id)
+                with contextlib.suppress(Exception):
+                    await call.msg.nak()
 
     # -- heartbeat -----------------------------------------------------------------------
 
