@@ -16,6 +16,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
+import workers.worker as worker_module
 from broker.natsserver import EmbeddedNats
 from broker.publisher import CallPublisher
 from broker.settings import StreamSettings
@@ -451,6 +452,62 @@ async def test_drain_hands_back_a_running_call_that_outlives_the_grace(harness: 
     assert worker.counters.handed_back == 1
     assert not long.ended.is_set()  # no terminal event from the worker that gave it up
     # Redelivered, it completes elsewhere as attempt 2.
+    await harness.start_worker(SimEngineConfig(step_s=0.001))
+    await asyncio.wait_for(long.ended.wait(), EVENT_BOUND_S)
+    assert isinstance(long.terminal, Done)
+    assert long.terminal.attempt == 2
+
+
+class _DeafToAborts(SimEngine):
+    """Its requests give one token, then do not end when cancelled (an engine that does not
+    answer an abort) until ``release`` is set."""
+
+    def __init__(self, config: SimEngineConfig) -> None:
+        super().__init__(config)
+        self.release = asyncio.Event()
+
+    async def generate(self, prepared: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:
+        outputs = super().generate(prepared)
+        yield await anext(outputs)
+        await outputs.aclose()
+        while not self.release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.release.wait()
+
+
+async def test_a_drain_ends_even_when_a_cancelled_call_does_not(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(worker_module, "DRAIN_CANCEL_BOUND_S", 0.5)
+    engine = _DeafToAborts(SimEngineConfig(step_s=0.01))
+    worker = await harness.start_worker(engine=engine, drain_grace_s=0.3)
+    deaf = await harness.send(call("deaf", max_tokens=20))
+    await asyncio.wait_for(deaf.started.wait(), EVENT_BOUND_S)
+    worker.request_stop()
+    try:
+        # It stopped, though its call's task never ended: that call went back to the stream.
+        await asyncio.wait_for(harness.workers[0][1], EVENT_BOUND_S)
+        assert worker.counters.handed_back == 1
+        await harness.start_worker(SimEngineConfig(step_s=0.001))
+        await asyncio.wait_for(deaf.ended.wait(), EVENT_BOUND_S)
+    finally:
+        engine.release.set()
+    assert isinstance(deaf.terminal, Done)
+    assert deaf.terminal.attempt == 2
+
+
+async def test_a_second_stop_hands_back_running_calls_at_once(harness: Harness) -> None:
+    # The grace is twice the bound the drain is given here: only a cut-short grace ends it.
+    worker = await harness.start_worker(
+        SimEngineConfig(step_s=0.05), drain_grace_s=2 * EVENT_BOUND_S
+    )
+    long = await harness.send(call("long", max_tokens=2000))  # 100 s of tokens
+    await asyncio.wait_for(long.started.wait(), EVENT_BOUND_S)
+    worker.request_stop()
+    worker.request_stop()
+    await asyncio.wait_for(harness.workers[0][1], EVENT_BOUND_S)
+    assert worker.counters.handed_back == 1
+    assert not long.ended.is_set()
     await harness.start_worker(SimEngineConfig(step_s=0.001))
     await asyncio.wait_for(long.ended.wait(), EVENT_BOUND_S)
     assert isinstance(long.terminal, Done)

@@ -72,7 +72,8 @@ log = logging.getLogger(__name__)
 
 DRAIN_CANCEL_BOUND_S = 10.0
 """After the drain's grace, how long its cancelled calls may take to end before the worker
-hands them back and stops regardless (seen once in CI: a worker draining for ever)."""
+hands them back and stops regardless (an engine that does not answer an abort; seen once in
+CI: a worker draining for ever)."""
 
 # How often a call that is not streamed tells its caller that it is still generating (the
 # engine yields at least this often too); far below the front door's idle timeout (60 s).
@@ -137,6 +138,7 @@ class Worker:
         """Every call the core holds, staged or running, by the same id."""
         self._changed = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._hurry = asyncio.Event()
         self._fatal: BaseException | None = None
         self._arrivals: set[asyncio.Task[None]] = set()
         self._cancelled: dict[str, float] = {}
@@ -148,7 +150,12 @@ class Worker:
         return self._nc
 
     def request_stop(self) -> None:
-        """Begin the drain: stop asking for work, let running calls finish within the grace."""
+        """Begin the drain: stop asking for work, let running calls finish within the grace.
+        Asked again while draining (a second SIGTERM or Ctrl-C), the grace ends at once: the
+        running calls are handed back for other workers."""
+        if self._stopping.is_set() and not self._hurry.is_set():
+            log.warning("stop asked again: handing back the running calls now")
+            self._hurry.set()
         self._stopping.set()
         self._changed.set()
 
@@ -669,7 +676,7 @@ class Worker:
             return
         grace = self.settings.drain_grace_s
         log.info("draining %d running calls (grace %.0fs)", len(tasks), grace)
-        _, pending = await asyncio.wait(tasks, timeout=grace)
+        pending = await self._within_grace(tasks, grace)
         stuck = []
         for call in [self._calls[call_id] for call_id in self._core.running_ids()]:
             if call.task in pending:
@@ -684,8 +691,30 @@ class Worker:
         for call in stuck:
             if call.task in pending:
                 log.error("call %s did not stop when cancelled; handing it back", call.call_id)
+                self.counters.handed_back += 1
                 with contextlib.suppress(Exception):
                     await call.msg.nak()
+
+    async def _within_grace(
+        self, tasks: list[asyncio.Task[None]], grace: float
+    ) -> set[asyncio.Task[None]]:
+        """Waits for ``tasks`` until the grace ends or a second stop cuts it short; returns
+        those still running."""
+        pending = set(tasks)
+        hurry = asyncio.create_task(self._hurry.wait())
+        deadline = time.monotonic() + grace
+        try:
+            while pending and not self._hurry.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                done, _ = await asyncio.wait(
+                    {*pending, hurry}, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+                pending -= done
+        finally:
+            hurry.cancel()
+        return pending
 
     # -- heartbeat -----------------------------------------------------------------------
 
