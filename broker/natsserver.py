@@ -49,11 +49,15 @@ class EmbeddedNats:
         port: int = 0,
         log_file: Path | None = None,
         users: NatsUsers | None = None,
+        max_store_bytes: int | None = None,
     ) -> None:
         """``users``: refuse any connection but these roles' users, each held to its role's
-        permissions; ``None``: anyone who reaches the port may do anything."""
+        permissions; ``None``: anyone who reaches the port may do anything.
+        ``max_store_bytes``: the most disk JetStream may use (``None``: the server's own
+        default, most of the free disk); past it, publishes are refused (``queue_full``)."""
         self.store_dir = store_dir
         self.users = users
+        self.max_store_bytes = max_store_bytes
         self.host = host
         self.requested_port = port
         self.log_file = log_file
@@ -90,12 +94,18 @@ class EmbeddedNats:
         ]  # fmt: skip
         if self.log_file is not None:
             cmd += ["--log", str(self.log_file)]
+        config: dict[str, object] = {}
         if self.users is not None:
-            # The flags above take precedence over the file; it holds only the users.
-            conf = self.store_dir / "users.conf"
+            config.update(self.users.config())
+        if self.max_store_bytes is not None:
+            config["jetstream"] = {"max_file_store": self.max_store_bytes}
+        if config:
+            # The flags above take precedence over the file; it holds only the users and the
+            # storage limit. It may hold secrets: readable by its owner only.
+            conf = self.store_dir / "server.conf"
             conf.touch(mode=0o600)
             conf.chmod(0o600)
-            conf.write_text(json.dumps(self.users.config(), indent=2))
+            conf.write_text(json.dumps(config, indent=2))
             cmd += ["--config", str(conf)]
         # Output goes to a file, not a pipe: a pipe nobody reads would fill and stall the server.
         # A process group of its own: a terminal's Ctrl-C reaches only the parent (``kvgate

@@ -21,8 +21,9 @@ from nats.js.errors import APIError, NoStreamResponseError
 from broker.errors import BrokerUnavailable, DeadlineExceeded, QueueFull
 from schemas.wire import STREAM_NAME, WIRE_VERSION, CallEnvelope, Header, call_subject, encode
 
-# JetStream API error codes (server's `err_code`) that mean the stream is at its limits.
-_STREAM_FULL_CODES = frozenset({10077, 10047, 10028})
+# JetStream API error codes (server's `err_code`) that mean the stream is at its limits, or
+# the server's storage is (10023 "insufficient resources": its disk limit, or a full disk).
+_STREAM_FULL_CODES = frozenset({10077, 10047, 10028, 10023})
 PUBLISH_ATTEMPTS = 4
 RETRY_BACKOFF_S = 0.25
 """The wait before the second attempt; doubled before each next one."""

@@ -95,7 +95,13 @@ def cmd_nats(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    server = EmbeddedNats(Path(args.store_dir), host=args.host, port=args.port, users=users)
+    server = EmbeddedNats(
+        Path(args.store_dir),
+        host=args.host,
+        port=args.port,
+        users=users,
+        max_store_bytes=args.max_store_bytes,
+    )
     server.start()
     access = "users per role" if users else "no users: anyone who reaches it may do anything"
     print(
@@ -321,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--host",
         default="127.0.0.1",
         help="another address than loopback only with users (KVGATE_NATS_*_PASSWORD)",
+    )
+    nats_p.add_argument(
+        "--max-store-bytes",
+        type=int,
+        help="the most disk JetStream may use; past it calls get 503 queue_full (default: "
+        "the server's own, most of the free disk); at least twice KVGATE_STREAM_MAX_BYTES",
     )
     nats_p.add_argument(
         "--print-config",

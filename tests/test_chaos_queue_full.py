@@ -1,8 +1,9 @@
-"""The calls stream full (issue 14's chaos suite: "disk-full or stream-full JetStream"). Real
-processes: the front door, NATS and a Redis of the test's own; the calls stream limited to a
-few messages (``KVGATE_STREAM_MAX_MSGS``, discard-new), and no worker pulling at first: a
-stand-in heartbeat gives admission a fleet to admit against, as a worker that has not started
-pulling yet (or has hung) would.
+"""The calls stream full, and the disk under JetStream full (issue 14's chaos suite: "disk-full
+or stream-full JetStream"). Real processes: the front door, NATS and a Redis of the test's own;
+the calls stream limited to a few messages (``KVGATE_STREAM_MAX_MSGS``, discard-new), or the
+server's disk taken by another stream, and no worker pulling at first: a stand-in heartbeat
+gives admission a fleet to admit against, as a worker that has not started pulling yet (or has
+hung) would.
 
 What an operator relies on: once the stream is full, a further call is refused at once, ``503
 queue_full`` with ``Retry-After``, and nothing of it is left behind: no message in the stream,
@@ -21,8 +22,10 @@ from pathlib import Path
 import msgspec
 import nats
 import pytest
+from nats.js.errors import APIError
 
 from broker.natsserver import EmbeddedNats
+from broker.procs import Proc
 from broker.settings import StreamSettings
 from loadtests.heartbeats import idle_heartbeat, put_heartbeat
 from schemas.wire import WORKERS_BUCKET
@@ -107,6 +110,47 @@ async def close_session(load: MixedLoad, session_id: str) -> None:
     assert resp.status_code == 200, resp.text
 
 
+def front_door(
+    nats_url: str, tmp_path: Path, tenants: Path, redis_server: RedisServer, **env: str
+) -> tuple[Proc, str]:
+    """The front door on the test's NATS and Redis, with the test's tenant and ``env``."""
+    return start_api(
+        nats_url,
+        tmp_path,
+        KVGATE_TENANTS_FILE=str(tenants),
+        KVGATE_SERVED_MODEL_NAME=MODEL,
+        KVGATE_REDIS_URL=redis_server.url,
+        KVGATE_DATABASE_URL=f"sqlite:///{tmp_path}/kvgate.db",
+        **env,
+    )
+
+
+async def serve_and_settle(
+    load: MixedLoad,
+    session: str,
+    accepted: list[asyncio.Task[Outcome]],
+    nats_url: str,
+    redis_server: RedisServer,
+    stream: StreamSettings,
+) -> tuple[list[Outcome], float, float, dict[str, int]]:
+    """A worker starts on ``stream``'s layout and answers the ``accepted`` calls; the
+    session is closed and everything comes back to zero. Returns the answers, the seconds
+    they took, the seconds to zero and the readings then."""
+    engine = SimEngine(SimEngineConfig(step_s=0.005, kv_capacity_tokens=8192))
+    async with (
+        sim_worker(engine, nats_url, "sim-late", ready_at=load.base_url, stream=stream),
+        sample_fleet(nats_url) as fleet,
+    ):
+        started = time.monotonic()
+        answered = await asyncio.wait_for(asyncio.gather(*accepted), ANSWER_BOUND_S)
+        answered_s = time.monotonic() - started
+        await close_session(load, session)
+        settled_s, readings = await wait_for_zero(
+            Rest(load.base_url, nats_url, fleet, redis_server.url)
+        )
+    return answered, answered_s, settled_s, readings
+
+
 @pytest.fixture
 def tenants(tmp_path: Path) -> Path:
     return write_tenants_file(tmp_path, tenant("chaos", API_KEY, max_tier="guaranteed"))
@@ -115,14 +159,8 @@ def tenants(tmp_path: Path) -> Path:
 async def test_a_full_calls_stream_refuses_with_queue_full_and_leaves_nothing_behind(
     tmp_path: Path, tenants: Path, nats_server: EmbeddedNats, redis_server: RedisServer
 ) -> None:
-    proc, base = start_api(
-        nats_server.url,
-        tmp_path,
-        KVGATE_TENANTS_FILE=str(tenants),
-        KVGATE_SERVED_MODEL_NAME=MODEL,
-        KVGATE_REDIS_URL=redis_server.url,
-        KVGATE_DATABASE_URL=f"sqlite:///{tmp_path}/kvgate.db",
-        KVGATE_STREAM_MAX_MSGS=str(QUEUE),
+    proc, base = front_door(
+        nats_server.url, tmp_path, tenants, redis_server, KVGATE_STREAM_MAX_MSGS=str(QUEUE)
     )
     shape = LoadShape(0, 0, 0, 0, batch_sessions=0)
     load = MixedLoad(base, API_KEY, shape)
@@ -175,21 +213,9 @@ async def test_a_full_calls_stream_refuses_with_queue_full_and_leaves_nothing_be
                 )
             assert (await jetstream_holdings(nats_server.url))["js_calls_published"] == QUEUE
         # The stand-in is gone; a worker starts, on the same stream layout.
-        engine = SimEngine(SimEngineConfig(step_s=0.005, kv_capacity_tokens=8192))
-        stream = StreamSettings(max_msgs=QUEUE)
-        async with (
-            sim_worker(engine, nats_server.url, "sim-late", ready_at=base, stream=stream),
-            sample_fleet(nats_server.url) as fleet,
-        ):
-            started = time.monotonic()
-            answered: list[Outcome] = await asyncio.wait_for(
-                asyncio.gather(*accepted), ANSWER_BOUND_S
-            )
-            answered_s = time.monotonic() - started
-            await close_session(load, session)
-            settled_s, readings = await wait_for_zero(
-                Rest(base, nats_server.url, fleet, redis_server.url)
-            )
+        answered, answered_s, settled_s, readings = await serve_and_settle(
+            load, session, accepted, nats_server.url, redis_server, StreamSettings(max_msgs=QUEUE)
+        )
     finally:
         await load.stop()
         proc.stop()
@@ -202,3 +228,108 @@ async def test_a_full_calls_stream_refuses_with_queue_full_and_leaves_nothing_be
     assert check_answers(load.outcomes) == []
     # Every call in the stream was one an accepted caller waited for: nothing half-published.
     assert readings["js_calls_published"] == QUEUE
+
+
+STORE_LIMIT = 8 << 20
+"""The disk the test's NATS server lets JetStream use: room for both of kvgate's streams'
+``max_bytes`` (1 MiB each here) besides what fills it."""
+STREAM_MAX_BYTES = 1 << 20
+INSUFFICIENT_RESOURCES = 10023
+"""The server's ``err_code`` once its JetStream storage is used up: its limit, or a full disk
+(both seen: ``max_file_store``, and a 1 MiB tmpfs under the store)."""
+BALLAST = "BALLAST"
+
+
+async def fill_the_disk(nats_url: str) -> int:
+    """Another stream takes all the disk the server allows, 16 KiB a message, until the
+    server refuses one; returns the bytes it took."""
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await js.add_stream(name=BALLAST, subjects=["ballast.>"])
+        for taken in range(0, 4 * STORE_LIMIT, 16 << 10):
+            try:
+                await js.publish("ballast.x", bytes(16 << 10), stream=BALLAST)
+            except APIError as exc:
+                if exc.err_code != INSUFFICIENT_RESOURCES:
+                    raise
+                return taken
+        raise AssertionError("the server never ran out of disk")
+    finally:
+        await nc.close()
+
+
+async def free_the_disk(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        await nc.jetstream().delete_stream(BALLAST)
+    finally:
+        await nc.close()
+
+
+async def test_a_full_disk_refuses_calls_with_queue_full_until_it_is_freed(
+    tmp_path: Path, tenants: Path, redis_server: RedisServer
+) -> None:
+    server = EmbeddedNats(
+        tmp_path / "nats", log_file=tmp_path / "nats.log", max_store_bytes=STORE_LIMIT
+    ).start()
+    proc, base = front_door(
+        server.url, tmp_path, tenants, redis_server, KVGATE_STREAM_MAX_BYTES=str(STREAM_MAX_BYTES)
+    )
+    load = MixedLoad(base, API_KEY, LoadShape(0, 0, 0, 0, batch_sessions=0))
+    try:
+        await load.start()
+        async with stand_in_worker(server.url):
+            await wait_ready(base)
+            session = await open_session(load, "standard")
+            taken = await fill_the_disk(server.url)
+            # Each refused at once, in a session or not, streamed or not: nothing is queued.
+            refused = await asyncio.gather(
+                *(load.call("standard", stream=s, session_id=session) for s in (True, False)),
+                *(
+                    load.call(tier, stream=s)
+                    for tier in ("guaranteed", "standard")
+                    for s in (True, False)
+                ),
+            )
+            assert all(
+                o.status == 503 and o.code == "queue_full" and o.retry_after for o in refused
+            ), summary(refused)
+            assert await stream_messages(server.url) == 0
+            # Nothing of them is held: the session's lease alone, and no call slot.
+            async with redis_reader(redis_server.url) as holdings:
+                held = await poll_until(
+                    holdings.read,
+                    lambda h: h["redis_call_slots"] == 0 and h["redis_leases"] == 1,
+                    timeout_s=FILL_BOUND_S,
+                )
+            # The operator frees the disk: calls are accepted again.
+            await free_the_disk(server.url)
+            accepted = [
+                asyncio.create_task(load.call("standard", stream=i % 2 == 0, session_id=session))
+                for i in range(SESSION_CALLS)
+            ]
+            await poll_until(
+                lambda: stream_messages(server.url),
+                lambda n: n == SESSION_CALLS,
+                timeout_s=FILL_BOUND_S,
+            )
+        answered, _, settled_s, readings = await serve_and_settle(
+            load,
+            session,
+            accepted,
+            server.url,
+            redis_server,
+            StreamSettings(max_bytes=STREAM_MAX_BYTES),
+        )
+    finally:
+        await load.stop()
+        proc.stop()
+        server.stop()
+    print(
+        f"\ndisk full: the ballast took {taken / (1 << 20):.1f} MiB; held {held} while full; "
+        f"back to zero {settled_s:.2f} s after the disk was freed\n{summary(load.outcomes)}"
+    )
+    assert all(o.ok for o in answered), summary(answered)
+    assert check_answers(load.outcomes) == []
+    assert readings["js_calls_published"] == SESSION_CALLS
