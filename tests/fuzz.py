@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from broker.natsserver import EmbeddedNats
+from tests.contract import contract_toml
 from tests.procs import start_api
 from tests.simworker import sim_worker
 from tests.tenants import tenant, write_tenants_file
@@ -29,28 +30,6 @@ MODEL = "kvgate-sim"
 TENANT_KEY = "fuzz-tenant-key"
 ADMIN_TOKEN = "fuzz-admin-token"
 
-# The same contract as tests/test_openapi.py's: 503 and 504 with Retry-After are answers; what
-# the schema cannot say of a call or session body (operator limits, rules across fields) may be
-# refused although schema-valid; a closed session stays readable, as designed.
-CONFIG = """
-[auth.openapi.TenantKey]
-bearer = "{tenant_key}"
-[auth.openapi.AdminToken]
-bearer = "{admin_token}"
-
-[checks.not_a_server_error]
-expected-statuses = ["2xx", "3xx", "4xx", "503", "504"]
-
-[[operations]]
-include-method = "POST"
-include-path-regex = "^/v1/(chat/completions|completions|messages|sessions|batches)$"
-checks.positive_data_acceptance.enabled = false
-
-[[operations]]
-include-method = "GET"
-include-path = "/v1/sessions/{{session_id}}"
-checks.use_after_free.enabled = false
-"""
 HOOKS = """import schemathesis
 
 # Batch lines uploaded as JSONL are text.
@@ -64,7 +43,7 @@ def prepare(out: Path) -> tuple[Path, Path]:
     quotas = {"max_sessions": 10**6, "max_parallel_calls": 10**9, "tokens_per_minute": 10**15}
     tenants = write_tenants_file(out, tenant("fuzz", TENANT_KEY, max_tier="guaranteed", **quotas))
     config = out / "schemathesis.toml"
-    config.write_text(CONFIG.format(tenant_key=TENANT_KEY, admin_token=ADMIN_TOKEN))
+    config.write_text(contract_toml(TENANT_KEY, ADMIN_TOKEN))
     (out / "fuzz_hooks.py").write_text(HOOKS)
     return tenants, config
 

@@ -34,6 +34,7 @@ from broker.errors import InvalidParameter
 from broker.natsserver import EmbeddedNats
 from broker.settings import ApiSettings
 from schemas.vocab import Tier
+from tests.contract import contract_toml
 from tests.polling import READY_BOUND_S
 from tests.procs import start_api
 from tests.simworker import sim_worker
@@ -363,35 +364,7 @@ async def test_a_batch_option_the_document_refuses_is_refused_where_the_body_nam
     assert resp.json()["error"]["param"] == query.split("=")[0]
 
 
-CONTRACT = schemathesis.Config.from_str(f"""
-[auth.openapi.TenantKey]
-bearer = "{TENANT_KEY}"
-[auth.openapi.AdminToken]
-bearer = "{ADMIN_TOKEN}"
-
-# 503 with Retry-After is an answer, not a failure: admission defers every call and session
-# while no worker serves (none does in the stateless run), and /readyz says so.
-# A call whose own X-Kvgate-Timeout passes before it is answered is 504 deadline_exceeded.
-[checks.not_a_server_error]
-expected-statuses = ["2xx", "3xx", "4xx", "503", "504"]
-
-# What kvgate reads of a body is in its schema, but not every rule: operator limits
-# (max_tokens, a session's parallelism and deadline), rules across fields (min_parallel <=
-# max_parallel), a batch's lines checked one by one against the models served, and the
-# fields a worker's vLLM serving layer reads and refuses by name. A schema-valid body may
-# still get its 400 there.
-[[operations]]
-include-method = "POST"
-include-path-regex = "^/v1/(chat/completions|completions|messages|sessions|batches)$"
-checks.positive_data_acceptance.enabled = false
-
-# Closing a session (DELETE) ends it but keeps it to read: GET answers it with `state` closed
-# (and a call in it 409 session_closed), so a closed session is not a deleted resource.
-[[operations]]
-include-method = "GET"
-include-path = "/v1/sessions/{{session_id}}"
-checks.use_after_free.enabled = false
-""")
+CONTRACT = schemathesis.Config.from_str(contract_toml(TENANT_KEY, ADMIN_TOKEN))
 # Batch lines uploaded as JSONL are text.
 schemathesis.serializer.alias("application/jsonl", "text/plain")
 
