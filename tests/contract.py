@@ -3,6 +3,12 @@ in the suite; ``python -m tests.fuzz``, long): its configuration, one text for b
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from broker.procs import Proc
+from tests.procs import start_api
+from tests.tenants import tenant, write_tenants_file
+
 _CONTRACT = """
 [auth.openapi.TenantKey]
 bearer = "{tenant_key}"
@@ -37,3 +43,24 @@ checks.use_after_free.enabled = false
 def contract_toml(tenant_key: str, admin_token: str) -> str:
     """schemathesis' configuration, with the tenant key and admin token it authenticates by."""
     return _CONTRACT.format(tenant_key=tenant_key, admin_token=admin_token)
+
+
+def contract_front_door(
+    nats_url: str, root: Path, tenant_key: str, admin_token: str, **env: str
+) -> tuple[Proc, str]:
+    """A front door held to the contract: one tenant with ``tenant_key``, an admin token (every
+    key the document declares is then needed), no batch runner, and ``env``. The tenant's
+    quotas are ones no run reaches: a refusal must depend on the request, not on what earlier
+    cases left behind (Hypothesis replays a stateful case and expects the same answers)."""
+    quotas = {"max_sessions": 10**6, "max_parallel_calls": 10**9, "tokens_per_minute": 10**15}
+    tenants = write_tenants_file(
+        root, tenant("contract", tenant_key, max_tier="guaranteed", **quotas)
+    )
+    return start_api(
+        nats_url,
+        root,
+        KVGATE_BATCH_RUNNER="false",
+        KVGATE_TENANTS_FILE=str(tenants),
+        KVGATE_ADMIN_TOKEN=admin_token,
+        **env,
+    )

@@ -20,10 +20,8 @@ import time
 from pathlib import Path
 
 from broker.natsserver import EmbeddedNats
-from tests.contract import contract_toml
-from tests.procs import start_api
+from tests.contract import contract_front_door, contract_toml
 from tests.simworker import sim_worker
-from tests.tenants import tenant, write_tenants_file
 from workers.sim_engine import SimEngine, SimEngineConfig
 
 MODEL = "kvgate-sim"
@@ -37,26 +35,19 @@ schemathesis.serializer.alias("application/jsonl", "text/plain")
 """
 
 
-def prepare(out: Path) -> tuple[Path, Path]:
-    """The run folder: the tenants file, schemathesis' configuration and hooks."""
+def prepare(out: Path) -> Path:
+    """The run folder: schemathesis' configuration and hooks."""
     out.mkdir(parents=True, exist_ok=True)
-    quotas = {"max_sessions": 10**6, "max_parallel_calls": 10**9, "tokens_per_minute": 10**15}
-    tenants = write_tenants_file(out, tenant("fuzz", TENANT_KEY, max_tier="guaranteed", **quotas))
     config = out / "schemathesis.toml"
     config.write_text(contract_toml(TENANT_KEY, ADMIN_TOKEN))
     (out / "fuzz_hooks.py").write_text(HOOKS)
-    return tenants, config
+    return config
 
 
-async def fuzz(out: Path, tenants: Path, config: Path, args: list[str]) -> int:
+async def fuzz(out: Path, config: Path, args: list[str]) -> int:
     with EmbeddedNats(out / "nats", log_file=out / "nats.log") as server:
-        proc, base = start_api(
-            server.url,
-            out,
-            KVGATE_BATCH_RUNNER="false",
-            KVGATE_TENANTS_FILE=str(tenants),
-            KVGATE_ADMIN_TOKEN=ADMIN_TOKEN,
-            KVGATE_SERVED_MODEL_NAME=MODEL,
+        proc, base = contract_front_door(
+            server.url, out, TENANT_KEY, ADMIN_TOKEN, KVGATE_SERVED_MODEL_NAME=MODEL
         )
         try:
             engine = SimEngine(
@@ -92,7 +83,7 @@ def main() -> int:
     parser.add_argument("args", nargs=argparse.REMAINDER, help="after --: schemathesis run's")
     options = parser.parse_args()
     args = options.args[1:] if options.args[:1] == ["--"] else options.args
-    return asyncio.run(fuzz(options.out, *prepare(options.out), args))
+    return asyncio.run(fuzz(options.out, prepare(options.out), args))
 
 
 if __name__ == "__main__":

@@ -34,11 +34,9 @@ from broker.errors import InvalidParameter
 from broker.natsserver import EmbeddedNats
 from broker.settings import ApiSettings
 from schemas.vocab import Tier
-from tests.contract import contract_toml
+from tests.contract import contract_front_door, contract_toml
 from tests.polling import READY_BOUND_S
-from tests.procs import start_api
 from tests.simworker import sim_worker
-from tests.tenants import tenant, write_tenants_file
 from workers.sim_engine import SimEngine, SimEngineConfig
 
 TIERS = [tier.value for tier in Tier]
@@ -285,19 +283,7 @@ def front_door(tmp_path_factory: pytest.TempPathFactory, nats: EmbeddedNats) -> 
     has a tenants file and an admin token, so that every key the document declares is needed.
     """
     root: Path = tmp_path_factory.mktemp("openapi")
-    # Quotas no run reaches: a refusal must depend on the request, not on what earlier cases
-    # left behind (Hypothesis replays a stateful case and expects the same answers).
-    quotas = {"max_sessions": 10**6, "max_parallel_calls": 10**9, "tokens_per_minute": 10**15}
-    tenants = write_tenants_file(
-        root, tenant("openapi", TENANT_KEY, max_tier="guaranteed", **quotas)
-    )
-    proc, base = start_api(
-        nats.url,
-        root,
-        KVGATE_BATCH_RUNNER="false",
-        KVGATE_TENANTS_FILE=str(tenants),
-        KVGATE_ADMIN_TOKEN=ADMIN_TOKEN,
-    )
+    proc, base = contract_front_door(nats.url, root, TENANT_KEY, ADMIN_TOKEN)
     try:
         yield base
     finally:
