@@ -483,11 +483,12 @@ class Sweep:
                 return None
 
         profile = self.profile
+        environment = {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVGATE_")}
         return {
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "command": " ".join(
                 [
-                    *(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("KVGATE_")),
+                    *(f"{k}={v}" for k, v in environment.items()),
                     "python -m loadtests.sweep",
                     *sys.argv[1:],
                 ]
@@ -526,9 +527,7 @@ class Sweep:
             },
             "kvgate": {
                 "settings": "kvgate's defaults, but for the environment below",
-                "environment": {
-                    k: v for k, v in sorted(os.environ.items()) if k.startswith("KVGATE_")
-                },
+                "environment": environment,
                 "tenants": f"{TENANTS_FILE} (the objectives above, per tier)",
                 "heartbeat_s": profile.heartbeat_s,
             },

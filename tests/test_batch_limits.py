@@ -22,11 +22,14 @@ from api.batches.request import ParsedLine
 from broker.admission.tenants import DEV_TENANT_ID
 from broker.natsserver import EmbeddedNats
 from broker.settings import ApiSettings
-from tests.batches import Outcome, write_batch
+from tests.batches import Outcome, wait_for_batch, write_batch
 from tests.calls import chat_body
 from tests.polling import poll_until
 
 PAGE = 3
+END_BOUND_S = 20.0
+"""For a cancelled batch to end, or an ended one and its files to be deleted after a 1 s
+retention (the runner's tick is 0.5 s): generous for a loaded 2-core machine."""
 
 
 @asynccontextmanager
@@ -100,7 +103,7 @@ LINES: list[Outcome] = [
 ]
 
 
-def expected_results(batch_id: str) -> bytes:
+def expected_results() -> bytes:
     """The results file as kvgate has always written it: one JSON object a line."""
     out = b""
     for n, (status, result, code) in enumerate(LINES, start=1):
@@ -150,7 +153,7 @@ async def test_results_and_output_files_are_read_a_page_at_a_time(
     assert results.status_code == 200 and results.headers["content-type"].startswith(
         "application/jsonl"
     )
-    assert results.content == expected_results(batch_id)
+    assert results.content == expected_results()
     assert output.status_code == errors.status_code == 200
     assert output.content == expected_file(batch_id, completed=True)
     assert errors.content == expected_file(batch_id, completed=False)
@@ -193,10 +196,8 @@ async def test_a_tenant_may_have_so_many_batches_open_at_once(
         assert (again.status_code, again.json()["id"]) == (200, keyed.json()["id"])
 
         await client.post(f"/v1/batches/{second.json()['id']}/cancel")
-        await poll_until(
-            lambda: client.get(f"/v1/batches/{second.json()['id']}"),
-            lambda resp: resp.json()["status"] == "cancelled",
-            timeout_s=20,
+        await wait_for_batch(
+            client, second.json()["id"], lambda b: b["status"] == "cancelled", timeout_s=END_BOUND_S
         )
         after = await client.post("/v1/batches", json={"requests": lines})
     assert after.status_code == 201, after.text
@@ -222,7 +223,7 @@ async def test_ended_batches_and_unused_files_are_deleted_after_the_retention(
         gone = await poll_until(
             lambda: client.get(f"/v1/batches/{ended_id}"),
             lambda resp: resp.status_code == 404,
-            timeout_s=20,
+            timeout_s=END_BOUND_S,
         )
         assert gone.json()["error"]["code"] == "batch_not_found"
         for path in (
@@ -235,7 +236,7 @@ async def test_ended_batches_and_unused_files_are_deleted_after_the_retention(
         await poll_until(
             lambda: client.get(f"/v1/files/{unused_file}"),
             lambda resp: resp.status_code == 404,
-            timeout_s=20,
+            timeout_s=END_BOUND_S,
         )
         # A batch not yet ended, and the file it was made from, are kept however old.
         still = await client.get(f"/v1/batches/{kept_id}")

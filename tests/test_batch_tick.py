@@ -55,7 +55,6 @@ body: a handful of rows, however long the batch. Reading the batch's lines is th
 @dataclass
 class Harness:
     settings: ApiSettings
-    nats_url: str
     db_url: str
     db: Path
     fleet: FleetView
@@ -89,7 +88,6 @@ class Harness:
 
             conn.row_factory = counted
 
-        self.fleet.update("w1", encode(idle_heartbeat("w1", capacity=1 << 20)))
         return BatchRunner(
             self.settings.model_copy(update=settings),
             engine,
@@ -167,7 +165,7 @@ async def harness(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Ha
     try:
         # Admission counts an unread queue lag as no room: wait for the first reading.
         await poll_until(lambda: asyncio.sleep(0, signals.lag), bool, timeout_s=10)
-        yield Harness(settings, nats_server.url, db_url, db, fleet, admitter, nc, js, queue, [0])
+        yield Harness(settings, db_url, db, fleet, admitter, nc, js, queue, [0])
     finally:
         await signals.stop()
         await nc.close()

@@ -21,11 +21,9 @@ from pathlib import Path
 
 import msgspec
 import nats
-import pytest
 from nats.js.errors import APIError
 
 from broker.natsserver import EmbeddedNats
-from broker.procs import Proc
 from broker.settings import StreamSettings
 from loadtests.heartbeats import idle_heartbeat, put_heartbeat
 from schemas.wire import WORKERS_BUCKET
@@ -37,6 +35,7 @@ from tests.chaos import (
     MixedLoad,
     Outcome,
     Rest,
+    chaos_front_door,
     check_answers,
     jetstream_holdings,
     redis_reader,
@@ -44,11 +43,9 @@ from tests.chaos import (
     wait_for_zero,
 )
 from tests.polling import poll_until, wait_ready
-from tests.procs import start_api
 from tests.sampler import sample_fleet
 from tests.servers import RedisServer
 from tests.simworker import sim_worker
-from tests.tenants import tenant, write_tenants_file
 from workers.sim_engine import SimEngine, SimEngineConfig
 
 QUEUE = 6
@@ -110,21 +107,6 @@ async def close_session(load: MixedLoad, session_id: str) -> None:
     assert resp.status_code == 200, resp.text
 
 
-def front_door(
-    nats_url: str, tmp_path: Path, tenants: Path, redis_server: RedisServer, **env: str
-) -> tuple[Proc, str]:
-    """The front door on the test's NATS and Redis, with the test's tenant and ``env``."""
-    return start_api(
-        nats_url,
-        tmp_path,
-        KVGATE_TENANTS_FILE=str(tenants),
-        KVGATE_SERVED_MODEL_NAME=MODEL,
-        KVGATE_REDIS_URL=redis_server.url,
-        KVGATE_DATABASE_URL=f"sqlite:///{tmp_path}/kvgate.db",
-        **env,
-    )
-
-
 async def serve_and_settle(
     load: MixedLoad,
     session: str,
@@ -151,16 +133,14 @@ async def serve_and_settle(
     return answered, answered_s, settled_s, readings
 
 
-@pytest.fixture
-def tenants(tmp_path: Path) -> Path:
-    return write_tenants_file(tmp_path, tenant("chaos", API_KEY, max_tier="guaranteed"))
-
-
 async def test_a_full_calls_stream_refuses_with_queue_full_and_leaves_nothing_behind(
-    tmp_path: Path, tenants: Path, nats_server: EmbeddedNats, redis_server: RedisServer
+    tmp_path: Path, nats_server: EmbeddedNats, redis_server: RedisServer
 ) -> None:
-    proc, base = front_door(
-        nats_server.url, tmp_path, tenants, redis_server, KVGATE_STREAM_MAX_MSGS=str(QUEUE)
+    api = contextlib.ExitStack()
+    _, base = api.enter_context(
+        chaos_front_door(
+            tmp_path, nats_server.url, redis_server.url, KVGATE_STREAM_MAX_MSGS=str(QUEUE)
+        )
     )
     shape = LoadShape(0, 0, 0, 0, batch_sessions=0)
     load = MixedLoad(base, API_KEY, shape)
@@ -218,7 +198,7 @@ async def test_a_full_calls_stream_refuses_with_queue_full_and_leaves_nothing_be
         )
     finally:
         await load.stop()
-        proc.stop()
+        api.close()
     print(
         f"\nstream full: held {held}; the {QUEUE} accepted calls answered "
         f"{answered_s:.2f} s after the worker started; back to zero after {settled_s:.2f} s"
@@ -268,13 +248,16 @@ async def free_the_disk(nats_url: str) -> None:
 
 
 async def test_a_full_disk_refuses_calls_with_queue_full_until_it_is_freed(
-    tmp_path: Path, tenants: Path, redis_server: RedisServer
+    tmp_path: Path, redis_server: RedisServer
 ) -> None:
     server = EmbeddedNats(
         tmp_path / "nats", log_file=tmp_path / "nats.log", max_store_bytes=STORE_LIMIT
     ).start()
-    proc, base = front_door(
-        server.url, tmp_path, tenants, redis_server, KVGATE_STREAM_MAX_BYTES=str(STREAM_MAX_BYTES)
+    api = contextlib.ExitStack()
+    _, base = api.enter_context(
+        chaos_front_door(
+            tmp_path, server.url, redis_server.url, KVGATE_STREAM_MAX_BYTES=str(STREAM_MAX_BYTES)
+        )
     )
     load = MixedLoad(base, API_KEY, LoadShape(0, 0, 0, 0, batch_sessions=0))
     try:
@@ -324,7 +307,7 @@ async def test_a_full_disk_refuses_calls_with_queue_full_until_it_is_freed(
         )
     finally:
         await load.stop()
-        proc.stop()
+        api.close()
         server.stop()
     print(
         f"\ndisk full: the ballast took {taken / (1 << 20):.1f} MiB; held {held} while full; "
