@@ -87,6 +87,8 @@ class _StopReason:
     CANCELLED = "cancelled"
     CALLER_GONE = "caller_gone"
     DRAIN = "drain"
+    ABANDONED = "abandoned"
+    """Ended by the drain when its cancel did not end it: nothing more to do when it ends."""
 
 
 @dataclass(eq=False)
@@ -534,6 +536,8 @@ class Worker:
             await self._engine_failed(call.msg, call.relay, exc)
 
     async def _stopped(self, call: _Call) -> None:
+        if call.stop_reason == _StopReason.ABANDONED:
+            return
         if call.stop_reason in (_StopReason.CANCELLED, _StopReason.CALLER_GONE):
             self.counters.cancelled += 1
             await call.relay.fail(ErrorCode.CANCELLED, "the call was cancelled by its caller")
@@ -677,44 +681,38 @@ class Worker:
         grace = self.settings.drain_grace_s
         log.info("draining %d running calls (grace %.0fs)", len(tasks), grace)
         pending = await self._within_grace(tasks, grace)
-        stuck = []
-        for call in [self._calls[call_id] for call_id in self._core.running_ids()]:
-            if call.task in pending:
-                call.stop_reason = call.stop_reason or _StopReason.DRAIN
-                call.task.cancel()
-                stuck.append(call)
-        if not pending:
+        stuck = [call for call in running if call.task in pending]
+        for call in stuck:
+            call.stop_reason = call.stop_reason or _StopReason.DRAIN
+            call.task.cancel()  # type: ignore[union-attr]
+        if not stuck:
             return
         _, pending = await asyncio.wait(pending, timeout=DRAIN_CANCEL_BOUND_S)
         # A call whose cancel did not end it (an engine that does not answer its abort) must
-        # not keep the worker from stopping: its message goes back for another worker now.
+        # not keep the worker from stopping: it is ended now, as its cancel would have, and
+        # not again should its task end after all.
         for call in stuck:
             if call.task in pending:
-                log.error("call %s did not stop when cancelled; handing it back", call.call_id)
-                self.counters.handed_back += 1
+                log.error("call %s did not stop when cancelled; ending it now", call.call_id)
                 with contextlib.suppress(Exception):
-                    await call.msg.nak()
+                    await self._stopped(call)
+                call.stop_reason = _StopReason.ABANDONED
 
     async def _within_grace(
         self, tasks: list[asyncio.Task[None]], grace: float
     ) -> set[asyncio.Task[None]]:
         """Waits for ``tasks`` until the grace ends or a second stop cuts it short; returns
         those still running."""
-        pending = set(tasks)
-        hurry = asyncio.create_task(self._hurry.wait())
-        deadline = time.monotonic() + grace
+        waits = {
+            asyncio.ensure_future(asyncio.wait(tasks)),
+            asyncio.ensure_future(self._hurry.wait()),
+        }
         try:
-            while pending and not self._hurry.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                done, _ = await asyncio.wait(
-                    {*pending, hurry}, timeout=left, return_when=asyncio.FIRST_COMPLETED
-                )
-                pending -= done
+            await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            hurry.cancel()
-        return pending
+            for wait in waits:
+                wait.cancel()  # the waits only: the calls' tasks run on
+        return {task for task in tasks if not task.done()}
 
     # -- heartbeat -----------------------------------------------------------------------
 
