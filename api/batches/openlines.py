@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from api.batches.store import LineState, LineStatus
+from api.batches.store import OPEN_LINES, LineState, LineStatus
 
 
 @dataclass(slots=True, eq=False)
@@ -108,7 +108,7 @@ class BatchLines:
                 width[key] = 1
                 run_start[key] = row.line_no
             session.widest = max(session.widest, width[key])
-            if row.status not in (LineStatus.PENDING.value, LineStatus.RUNNING.value):
+            if row.status not in OPEN_LINES:
                 continue
             line = OpenLine(row.id, row.line_no, row.call_id, key, run_start[key])
             if row.status == LineStatus.PENDING.value:

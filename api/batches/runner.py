@@ -445,7 +445,7 @@ class BatchRunner:
         has the last word (a line still open there means what is in memory is behind it: it is
         rebuilt next tick)."""
         counts = await asyncio.to_thread(store.line_counts, self.engine, batch.id)
-        if counts[LineStatus.PENDING.value] or counts[LineStatus.RUNNING.value]:
+        if any(counts[status] for status in store.OPEN_LINES):
             log.warning("batch %s has open lines this runner missed; reading it again", batch.id)
             self._batches.pop(batch.id, None)
             return

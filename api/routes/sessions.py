@@ -48,7 +48,7 @@ _SESSION_LINKS = {
             "POST",
             path,
             "Run a call in the session.",
-            {f"header.{SESSION_HEADER}": "$response.body#/id"},
+            _IN_IT,
         )
         for name, path in (
             ("Chat", "/v1/chat/completions"),
