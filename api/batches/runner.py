@@ -241,16 +241,16 @@ class BatchRunner:
         bodies = await asyncio.to_thread(
             store.line_bodies, self.engine, [line.id for line in start]
         )
-        sendable: list[OpenLine] = []
+        sendable: list[tuple[OpenLine, CallEnvelope]] = []
         for line in start:
-            checked = self._line_call(batch, line, bodies.get(line.id), "")
-            if isinstance(checked, InvalidRequest):
+            call = self._line_call(batch, line, bodies.get(line.id))
+            if isinstance(call, InvalidRequest):
                 # Failed alone, before admission sizes the session; the lines after it may start.
-                await self._fail_lines(run, [line], checked.code, checked.message)
+                await self._fail_lines(run, [line], call.code, call.message)
                 run.dirty[lines.key] = None
                 self.wake()
             else:
-                sendable.append(line)
+                sendable.append((line, call))
         if not sendable:
             return
         session = self._sessions.setdefault((batch.id, lines.key), _SessionRun())
@@ -259,13 +259,9 @@ class BatchRunner:
         assert session.lease is not None
         started: list[OpenLine] = []
         started_at = utcnow()
-        for line in sendable:
-            call = self._line_call(batch, line, bodies.get(line.id), session.lease)
-            if isinstance(call, InvalidRequest):
-                await self._fail_lines(run, [line], call.code, call.message)
-                continue
+        for line, call in sendable:
             try:
-                await self._publish(batch, call)
+                await self._publish(batch, msgspec.structs.replace(call, session_id=session.lease))
             except KvgateError as exc:
                 log.warning("batch %s line %d not queued yet: %s", batch.id, line.line_no, exc)
                 run.dirty[lines.key] = None  # tried again next tick
@@ -330,7 +326,7 @@ class BatchRunner:
         for start in range(0, len(ids), PEAK_CHUNK):
             bodies = store.line_bodies(self.engine, ids[start : start + PEAK_CHUNK])
             for line_id, body in bodies.items():
-                call = self._line_call(batch, by_id[line_id], body, "")
+                call = self._line_call(batch, by_id[line_id], body)
                 if not isinstance(call, CallEnvelope):
                     continue
                 if prompt is None or call.est_prompt_tokens > prompt.est_prompt_tokens:
@@ -340,13 +336,13 @@ class BatchRunner:
         return [call for call in (prompt, output) if call is not None]
 
     def _line_call(
-        self, batch: BatchRow, line: OpenLine, body: dict[str, Any] | None, session_id: str
+        self, batch: BatchRow, line: OpenLine, body: dict[str, Any] | None
     ) -> CallEnvelope | InvalidRequest:
         """The line's call, or why it can never be one. Lines were validated on submit, but a
         line stored before a check existed, or under limits since lowered, must fail alone:
         raised, it would stop its batch (and its session's lease) on every tick."""
         try:
-            return self._envelope(batch, line, body, session_id)
+            return self._envelope(batch, line, body)
         except InvalidRequest as exc:
             return exc
         except Exception as exc:  # a body no check foresaw is still that line's failure only
@@ -354,9 +350,10 @@ class BatchRunner:
             return InvalidRequest(f"the line cannot be sent: {exc}")
 
     def _envelope(
-        self, batch: BatchRow, line: OpenLine, body: dict[str, Any] | None, session_id: str
+        self, batch: BatchRow, line: OpenLine, body: dict[str, Any] | None
     ) -> CallEnvelope:
-        """The line's call, with its fixed call id and the batch window as its deadline."""
+        """The line's call, with its fixed call id and the batch window as its deadline; its
+        session is named once admitted (built once, before admission sizes the session)."""
         if body is None:
             raise InvalidRequest("the line's body is gone")
         raw = msgspec.json.encode(body)
@@ -368,7 +365,7 @@ class BatchRunner:
             self.settings,
             tier=Tier(batch.tier),
             timeout_s=left_s,
-            session_id=session_id,
+            session_id="",
         )
         return msgspec.structs.replace(call, call_id=line.call_id)
 
