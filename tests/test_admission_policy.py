@@ -390,6 +390,20 @@ def test_a_first_turn_that_the_workers_cannot_start_now_is_deferred() -> None:
     assert (deferred.decision, deferred.reason) == (Decision.DEFER, Reason.FLEET_SATURATED)
     assert deferred.signals["uncommitted_tokens"] == 500
     assert deferred.bound_group is None  # not a reason for the windows to grow
+    # A session that accepts fewer calls is shaped to what can start now (2 x 250 of 500).
+    half_busy = FleetSnapshot(
+        (replace(worker(usage=0.1), committed_tokens=8_000),), {}, unseen_tokens=1_500
+    )
+    shaped = decide(
+        need(Tier.GUARANTEED, least=1), TENANT, half_busy, holdings(), Pressure.NORMAL, POLICY,
+        max_age_s=MAX_AGE_S, jitter=0.5,
+    )  # fmt: skip
+    assert (shaped.decision, shaped.granted_parallel) == (Decision.ADMIT, 2)
+    assert shaped.bound_group is None
+    assert run(need(Tier.GUARANTEED, least=3), f=half_busy)[:2] == (
+        Decision.DEFER,
+        Reason.FLEET_SATURATED,
+    )
     # A plain call may wait in the queue instead, bounded by its own deadline.
     call = replace(need(Tier.STANDARD, 1), may_queue=True)
     queued = FleetSnapshot(

@@ -332,7 +332,8 @@ def decide(
 
     A session that does not fit with ``max_parallel`` calls in flight is granted fewer, down to
     ``min_parallel`` and to the fewest with which it can still finish by its deadline
-    (``AdmissionDecision.granted_parallel``); only below that is it deferred or rejected."""
+    (``AdmissionDecision.granted_parallel``), and is granted no more than the workers can start
+    at once; only below that is it deferred or rejected."""
     live = [w for w in fleet.workers if w.age_s <= max_age_s]
     serving = [w for w in live if not w.draining]
     physical = sum(w.kv_capacity_tokens or 0 for w in serving)
@@ -441,14 +442,19 @@ def decide(
     if granted >= fewest:
         # Shaped by the room left now (not by the session's size): the narrowest group bound.
         narrowest = fit.index(min(fit)) if granted < widest else None
-        if granted < need.max_parallel:
-            signals["granted_parallel"] = granted
         # 7. What the fleet can start now. Not a bound of the windows: it says nothing about
-        # how much of their reservations admitted sessions use over their lives.
+        # how much of their reservations admitted sessions use over their lives. A session
+        # that accepts fewer calls in flight is shaped to what can start, not deferred: on an
+        # idle fleet, a session declaring more than the caches hold would otherwise be
+        # deferred for ever.
         free = uncommitted_tokens(fleet, max_age_s)
         signals["uncommitted_tokens"] = free
-        if not need.may_queue and granted * need.call_tokens > free:
-            return answer(Decision.DEFER, Reason.FLEET_SATURATED, policy.default_retry_after_s)
+        if not need.may_queue:
+            granted = min(granted, most_parallel(need.call_tokens, [free]))
+            if granted < fewest:
+                return answer(Decision.DEFER, Reason.FLEET_SATURATED, policy.default_retry_after_s)
+        if granted < need.max_parallel:
+            signals["granted_parallel"] = granted
         return answer(Decision.ADMIT, Reason.ADMITTED, granted=granted, bound_group=narrowest)
     want = fewest * need.call_tokens
     for i in range(index, -1, -1):
