@@ -3,6 +3,12 @@
 Every error body is ``{"error": {"message", "type", "code", "param"}}``, plus ``retry_after``
 (seconds, equal to the ``Retry-After`` header) where waiting helps. Nothing reaches a client as
 a bare 500: an unexpected exception becomes ``internal_error`` and is logged with its trace.
+
+Every kvgate error also carries ``x-should-retry: true`` where it carries ``Retry-After`` and
+``false`` where it does not. The official OpenAI SDKs read that header before their own rule
+(which retries every 429 and 5xx), so a plain ``openai`` client retries exactly the answers
+where waiting helps, after the ``Retry-After`` kvgate named, and not, say, a session that can
+never fit (``exceeds_capacity``) or a call kvgate already retried on another worker.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from schemas.openai import AnthropicErrorBody, AnthropicErrorDetail, ErrorBody, 
 from schemas.vocab import Endpoint, ErrorCode
 
 log = logging.getLogger(__name__)
+
+SHOULD_RETRY_HEADER = "x-should-retry"
+"""Read by the official OpenAI SDKs (Python and TypeScript) before their default retry rule."""
 
 STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.INVALID_JSON: 400,
@@ -117,7 +126,9 @@ def anthropic_error_body(exc: KvgateError) -> AnthropicErrorBody:
 def error_response(exc: KvgateError, request: Request | None = None) -> JSONResponse:
     """The error in the shape of the API the caller spoke: Anthropic's on /v1/messages,
     OpenAI's everywhere else."""
-    headers = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
+    headers = {SHOULD_RETRY_HEADER: "false"}
+    if exc.retry_after is not None:
+        headers = {SHOULD_RETRY_HEADER: "true", "Retry-After": str(exc.retry_after)}
     if request is not None and request.url.path == Endpoint.MESSAGES.path:
         return JSONResponse(
             anthropic_error_body(exc).to_json(), STATUS_BY_CODE[exc.code], headers=headers

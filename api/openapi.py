@@ -45,7 +45,12 @@ RETRY_AFTER_HEADER = {
         "description": "Seconds after which the same request may succeed; equal to the "
         "body's `retry_after`.",
         "schema": {"type": "integer", "minimum": 0},
-    }
+    },
+    "x-should-retry": {
+        "description": "`true` where `Retry-After` is given (waiting helps), `false` on every "
+        "other kvgate error: the official OpenAI SDKs retry by it.",
+        "schema": {"type": "string", "enum": ["true", "false"]},
+    },
 }
 
 

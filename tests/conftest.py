@@ -25,6 +25,16 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
 
 
 @pytest.fixture
+def lonely_api(nats_server: EmbeddedNats, tmp_path: Path) -> Iterator[str]:
+    """A front door on the test's own NATS with no worker: its base URL."""
+    proc, base = start_api(nats_server.url, tmp_path)
+    try:
+        yield base
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A Redis of the test's own on a free port, which the test may stop and start again
     (never the shared one on 6379)."""

@@ -4,8 +4,6 @@ worker that heartbeats but never pulls, calls end with a timeout error at their 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -13,7 +11,6 @@ import pytest
 from broker.natsserver import EmbeddedNats
 from loadtests.heartbeats import stuck_worker_heartbeat
 from tests.polling import wait_ready
-from tests.procs import start_api
 
 AT_ONCE_BOUND_S = 1.0
 """A deferral waits on nothing: well under a second even on a loaded 2-core machine."""
@@ -22,15 +19,6 @@ CALL_TIMEOUT_S = 1.5
 DEADLINE_LATE_BOUND_S = 5.0
 """When the timeout answer must have come, on a loaded machine: at the call's deadline, not when
 the client gives up (30 s)."""
-
-
-@pytest.fixture
-def lonely_api(nats_server: EmbeddedNats, tmp_path: Path) -> Iterator[str]:
-    proc, base = start_api(nats_server.url, tmp_path)
-    try:
-        yield base
-    finally:
-        proc.stop()
 
 
 BODY = {"model": "kvgate-dev", "messages": [{"role": "user", "content": "anyone?"}]}

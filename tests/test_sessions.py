@@ -15,9 +15,11 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker.natsserver import EmbeddedNats
+from kvgate.client import GaveUp, SessionNotOpened, kvgate_session
 from loadtests.heartbeats import stuck_worker_heartbeat
 from tests.calls import chat_body
 from tests.polling import poll_until, wait_ready
@@ -566,9 +568,20 @@ async def test_sessions_that_took_long_make_a_session_left_too_little_deadline_a
         # The pace is refreshed twice a second off the request path.
         after = await poll_until(ask, lambda r: r.status_code == 503, timeout_s=SETTLE_BOUND_S)
         longer = await client.post("/v1/sessions", json={**one, "deadline_s": 30})
+        # kvgate's client gives up at once, saying why.
+        async with AsyncOpenAI(base_url=door.base + "/v1", api_key=ACME) as agents:
+            with pytest.raises(SessionNotOpened) as refused:
+                async with kvgate_session(agents, **short):
+                    pytest.fail("admitted")
     assert after.json()["error"]["code"] == "deadline_infeasible"
     assert after.json()["decision"] == "reject" and "retry-after" not in after.headers
+    assert after.headers["x-should-retry"] == "false"
     assert longer.status_code == 201, longer.text
+    assert (refused.value.why, refused.value.code) == (
+        GaveUp.WAITING_WILL_NOT_HELP,
+        "deadline_infeasible",
+    )
+    assert refused.value.attempts == 1
 
 
 async def window(client: httpx.AsyncClient, tier: str = "standard") -> float:
