@@ -172,7 +172,7 @@ class _Opening:
         wait = retry_after * self.rng.uniform(1 - self.jitter, 1 + self.jitter)
         if self.deadline_s is not None and now + wait - self.started >= self.deadline_s:
             raise give_up(GaveUp.PAST_DEADLINE) from error
-        log.info(
+        log.debug(
             "kvgate deferred the session (%s): attempt %d of %d in %.1f s",
             code,
             self.attempts + 1,

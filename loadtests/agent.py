@@ -11,7 +11,11 @@ Three modes, one client:
 
 A refused answer (429/503) is retried as the session's client kind does it: polite clients
 wait the ``Retry-After`` (scaled by a random 0.8-1.2) within a retry budget and the session
-deadline; naive clients retry at once up to a larger budget. A call that still fails, or the
+deadline; naive clients retry at once up to a larger budget. A polite agent opens and closes its
+kvgate session with ``kvgate.client.kvgate_session``, the client kvgate ships for agents, so the
+benchmark measures what users run (it gives up at once on a refusal without ``Retry-After``);
+the calls themselves are sent by this module's own streaming client in every mode, so that the
+modes differ in what serves them, not in how TTFT and TPOT are read. A call that still fails, or the
 session deadline, ends the session: the agent gives up on the task, cancels what is in flight
 and sends nothing more (those calls count as offered and not served).
 
@@ -32,13 +36,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from openai import APIStatusError, AsyncOpenAI
 
+from kvgate.client import SessionNotOpened, kvgate_session
 from loadtests.workload import CallSpec, ClientKind, SessionTrace
 
 REFUSED_STATUSES = frozenset({429, 503})
 POLITE_RETRY_BUDGET = 6
 NAIVE_RETRY_BUDGET = 20
 DEFAULT_BACKOFF_S = 0.5
+CLOSE_TIMEOUT_S = 5.0
 
 
 class Mode(enum.StrEnum):
@@ -166,9 +173,28 @@ class Agent:
     http: aiohttp.ClientSession
     words: list[str]
     started: float = field(default_factory=time.monotonic)
+    _openai: AsyncOpenAI | None = None
 
     def now(self) -> float:
         return time.monotonic() - self.started
+
+    def _sessions_client(self) -> AsyncOpenAI:
+        """The ``openai`` client polite agents open their sessions with (one connection pool
+        for all the agent's sessions, as an agent process would have)."""
+        if self._openai is None:
+            # No retries of its own (kvgate_session retries the opening) and a bounded wait,
+            # as this module's own close had: a slow close must not hold the run up.
+            self._openai = AsyncOpenAI(
+                base_url=self.target.base_url + "/v1",
+                api_key=self.target.api_key,
+                max_retries=0,
+                timeout=CLOSE_TIMEOUT_S,
+            )
+        return self._openai
+
+    async def aclose(self) -> None:
+        if self._openai is not None:
+            await self._openai.close()
 
     async def run(self, trace: SessionTrace) -> SessionOutcome:
         outcome = SessionOutcome(
@@ -184,18 +210,23 @@ class Agent:
         session_id: str | None = None
         try:
             async with asyncio.timeout(deadline - time.monotonic()):
-                if self.target.mode is Mode.KVGATE_SESSION:
+                if self.target.mode is not Mode.KVGATE_SESSION:
+                    await self._turns(trace, outcome, retry, deadline, None)
+                elif trace.client is ClientKind.POLITE:
+                    await self._in_session(trace, outcome, retry, deadline)
+                else:
                     session_id = await self._open_session(trace, outcome, retry, deadline)
                     if session_id is None:
                         return outcome
-                await self._turns(trace, outcome, retry, deadline, session_id)
+                    await self._turns(trace, outcome, retry, deadline, session_id)
         except TimeoutError:
             outcome.deadline_missed = True
         finally:
             for call in outcome.calls:
                 if call.status is CallStatus.NOT_SENT and call.sent_s is not None:
                     call.status = CallStatus.ABANDONED
-            outcome.ended_s = self.now()
+            if outcome.ended_s is None:
+                outcome.ended_s = self.now()
             if session_id is not None:
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     await self._close_session(session_id)
@@ -355,6 +386,40 @@ class Agent:
             if first_token is not None and last_token is not None and out.completion_tokens > 1:
                 out.tpot_s = (last_token - first_token) / (out.completion_tokens - 1)
 
+    async def _in_session(
+        self,
+        trace: SessionTrace,
+        outcome: SessionOutcome,
+        retry: RetryPolicy,
+        deadline: float,
+    ) -> None:
+        """A polite agent's session, opened and closed by kvgate's client."""
+        opening = kvgate_session(
+            self._sessions_client(),
+            deadline_s=deadline - time.monotonic(),
+            retry_budget=POLITE_RETRY_BUDGET,
+            rng=random.Random(f"open:{trace.session_id}"),
+            **_declared(trace),
+        )
+        try:
+            async with opening as session:
+                outcome.admission_wait_s = self.now() - trace.arrival_s
+                outcome.deferrals = outcome.session_retries = session.attempts - 1
+                retry.used = session.attempts - 1  # one budget for the session, as before
+                try:
+                    await self._turns(trace, outcome, retry, deadline, session.id)
+                finally:
+                    outcome.ended_s = self.now()  # before the close, as for naive agents
+        except SessionNotOpened as refused:
+            outcome.deferrals = refused.attempts
+            outcome.session_retries = refused.attempts - 1
+            outcome.admitted = False
+            outcome.refusal_code = refused.code or refused.why.value
+        except APIStatusError as error:  # an answer but no refusal (a 400): not retried
+            outcome.deferrals += 1
+            outcome.admitted = False
+            outcome.refusal_code = error.code if isinstance(error.code, str) else None
+
     async def _open_session(
         self,
         trace: SessionTrace,
@@ -362,22 +427,11 @@ class Agent:
         retry: RetryPolicy,
         deadline: float,
     ) -> str | None:
+        """A naive agent's opening: no kvgate client, retried at once."""
         url = self.target.base_url + "/v1/sessions"
         while True:
             remaining = deadline - time.monotonic()
-            body = {
-                "tier": trace.tier.value,
-                "max_parallel": trace.max_parallel,
-                # All or nothing: these agents judge each call's TTFT from its first attempt,
-                # so a call waiting for one of a shaped session's slots would count as slow.
-                "min_parallel": trace.max_parallel,
-                "expected_calls": len(trace.calls),
-                "est_prompt_tokens": trace.mean_prompt_tokens,
-                "est_output_tokens": trace.mean_output_tokens,
-                "deadline_s": round(max(remaining, 0.001), 3),
-                "idle_timeout_s": 10,
-                "metadata": {"trace_session": trace.session_id},
-            }
+            body = {**_declared(trace), "deadline_s": round(max(remaining, 0.001), 3)}
             headers = {"Authorization": f"Bearer {self.target.api_key}"}
             async with self.http.post(url, json=body, headers=headers) as resp:
                 if resp.status in (200, 201):
@@ -396,7 +450,8 @@ class Agent:
     async def _close_session(self, session_id: str) -> None:
         url = f"{self.target.base_url}/v1/sessions/{session_id}"
         headers = {"Authorization": f"Bearer {self.target.api_key}"}
-        async with self.http.delete(url, headers=headers, timeout=aiohttp.ClientTimeout(5)):
+        timeout = aiohttp.ClientTimeout(CLOSE_TIMEOUT_S)
+        async with self.http.delete(url, headers=headers, timeout=timeout):
             pass
 
 
@@ -411,3 +466,19 @@ async def _error_of(resp: aiohttp.ClientResponse) -> tuple[str | None, float | N
     error = body.get("error") if isinstance(body, dict) else None
     code = error.get("code") if isinstance(error, dict) else None
     return (str(code) if code is not None else None), retry_after
+
+
+def _declared(trace: SessionTrace) -> dict[str, Any]:
+    """What a session of ``trace`` declares (its deadline apart, which is what is left of it)."""
+    return {
+        "tier": trace.tier.value,
+        "max_parallel": trace.max_parallel,
+        # All or nothing: these agents judge each call's TTFT from its first attempt, so a call
+        # waiting for one of a shaped session's slots would count as slow.
+        "min_parallel": trace.max_parallel,
+        "expected_calls": len(trace.calls),
+        "est_prompt_tokens": trace.mean_prompt_tokens,
+        "est_output_tokens": trace.mean_output_tokens,
+        "idle_timeout_s": 10,
+        "metadata": {"trace_session": trace.session_id},
+    }

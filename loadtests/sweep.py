@@ -283,6 +283,7 @@ class Sweep:
             outcome = await agent.run(trace)
             if i:  # the first call warms the HTTP path and is not counted
                 outcomes.append(outcome)
+        await agent.aclose()
         calls = [c for o in outcomes for c in o.calls]
         failed = [c for c in calls if c.ttft_s is None]
         if failed:
@@ -357,6 +358,7 @@ class Sweep:
         finally:
             sampler.cancel()
             lag_watch.cancel()
+            await agent.aclose()
         ended_unix = time.time()
         busy = max((o.ended_s or 0.0 for o in outcomes), default=0.0)
         await self._settle(served, http)

@@ -121,8 +121,10 @@ def test_a_wait_past_the_deadline_is_not_waited(stack: Stack, connect: Connect) 
         json={"tier": "standard", "est_output_tokens": 4000, **huge},
     )
     assert (resp.status_code, resp.json()["error"]["code"]) == (503, "exceeds_capacity")
-    # The fleet may grow: kvgate says try again in a minute.
-    assert (resp.headers["x-should-retry"], resp.headers["retry-after"]) == ("true", "60")
+    # The fleet may grow: kvgate says try again in about a minute (jittered down by up to a
+    # fifth), which is past the 30 s the session below gives itself.
+    assert resp.headers["x-should-retry"] == "true"
+    assert 48 <= int(resp.headers["retry-after"]) <= 60
 
     client = connect(stack.base_url)
     with (
@@ -136,7 +138,8 @@ def test_a_wait_past_the_deadline_is_not_waited(stack: Stack, connect: Connect) 
         "exceeds_capacity",
         503,
     )
-    assert (gave_up.attempts, gave_up.retry_after) == (1, 60)
+    assert gave_up.attempts == 1 and gave_up.retry_after is not None
+    assert 48 <= gave_up.retry_after <= 60
     assert gave_up.waited_s < AT_ONCE_BOUND_S
 
 
@@ -180,7 +183,7 @@ def test_a_request_kvgate_cannot_take_is_raised_as_openai_raises_it(
 async def test_a_session_deferred_for_want_of_a_worker_runs_once_one_comes(
     lonely_api: str, nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger=kvgate_client.__name__)
+    caplog.set_level(logging.DEBUG, logger=kvgate_client.__name__)
     client = AsyncOpenAI(base_url=lonely_api + "/v1", api_key="unused")
 
     async def agent() -> tuple[int, str | None]:
