@@ -71,6 +71,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             signals = FleetSignals(fleet)
             signals.start(js)
             metrics = FrontDoorMetrics(signals)
+            metrics.watch_objectives(tenancy.tiers)
             ledger = Ledger(settings.database_url, max_queue=settings.ledger_queue)
             await ledger.start()
             metrics.watch_ledger(ledger)

@@ -9,7 +9,7 @@ on NATS.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -18,7 +18,9 @@ from prometheus_client.registry import Collector
 from api.replies import ReplyRouter
 from broker.admission.metrics import AdmissionMetrics
 from broker.admission.signals import FleetSignals
+from broker.admission.tenants import TierPolicy
 from broker.ledger import Ledger
+from schemas.vocab import Tier
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
@@ -28,8 +30,9 @@ class _FleetCollector(Collector):
     def __init__(self, signals: FleetSignals) -> None:
         self._signals = signals
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        live = self._signals.fleet.live(int(time.time() * 1000))
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        now_ms = int(time.time() * 1000)
+        live = self._signals.fleet.live(now_ms)
         workers = GaugeMetricFamily("kvgate_workers_live", "Workers with a fresh heartbeat")
         workers.add_metric([], len(live))
         yield workers
@@ -42,12 +45,47 @@ class _FleetCollector(Collector):
         waiting = GaugeMetricFamily(
             "kvgate_worker_waiting", "Requests waiting in the engine", labels=["worker"]
         )
+        max_seqs = GaugeMetricFamily(
+            "kvgate_worker_max_sequences", "Sequences the engine may run at once", labels=["worker"]
+        )
+        staged = GaugeMetricFamily(
+            "kvgate_worker_staged",
+            "Calls the worker fetched and holds until its KV cache has room",
+            labels=["worker"],
+        )
+        draining = GaugeMetricFamily(
+            "kvgate_worker_draining",
+            "1 while the worker drains (takes no new calls)",
+            labels=["worker"],
+        )
+        # The engine's own count since the worker started: a restart resets it, which rate()
+        # and increase() take as a counter reset.
+        preemptions = CounterMetricFamily(
+            "kvgate_worker_preemptions",
+            "Sequences the engine preempted (KV cache full), since the worker started",
+            labels=["worker"],
+        )
         for hb in live:
             if hb.kv_cache_usage is not None:
                 usage.add_metric([hb.worker_id], hb.kv_cache_usage)
             running.add_metric([hb.worker_id], hb.num_running)
             waiting.add_metric([hb.worker_id], hb.num_waiting)
-        yield from (usage, running, waiting)
+            max_seqs.add_metric([hb.worker_id], hb.max_num_seqs)
+            staged.add_metric([hb.worker_id], hb.staged)
+            draining.add_metric([hb.worker_id], int(hb.draining))
+            preemptions.add_metric([hb.worker_id], hb.num_preemptions)
+        yield from (usage, running, waiting, max_seqs, staged, draining, preemptions)
+        # Every worker whose last heartbeat is still in the bucket, stale ones included: a
+        # worker that stopped heartbeating shows here as an age that grows, where the gauges
+        # above simply lose it.
+        age = GaugeMetricFamily(
+            "kvgate_worker_heartbeat_age_seconds",
+            "Seconds since the worker's last heartbeat",
+            labels=["worker"],
+        )
+        for hb in self._signals.fleet.all():
+            age.add_metric([hb.worker_id], max(0.0, now_ms - hb.sent_ms) / 1000)
+        yield age
         pending = GaugeMetricFamily(
             "kvgate_queue_pending", "Calls queued, not yet delivered", labels=["tier"]
         )
@@ -59,11 +97,36 @@ class _FleetCollector(Collector):
             "Age of the oldest undelivered call (0 when none)",
             labels=["tier"],
         )
+        redelivered = GaugeMetricFamily(
+            "kvgate_queue_redelivered",
+            "Calls delivered more than once and not yet acked (a worker lost or handed back)",
+            labels=["tier"],
+        )
         for row in self._signals.lag:
             pending.add_metric([row.tier.value], row.pending)
             ack_pending.add_metric([row.tier.value], row.ack_pending)
             oldest.add_metric([row.tier.value], row.oldest_pending_age_s or 0.0)
-        yield from (pending, ack_pending, oldest)
+            redelivered.add_metric([row.tier.value], row.redelivered)
+        yield from (pending, ack_pending, oldest, redelivered)
+
+
+class _ObjectivesCollector(Collector):
+    """The tiers' objectives, so that dashboards and alert rules compare against what this
+    front door is configured with (a tenant's own objectives aside)."""
+
+    def __init__(self, tiers: Mapping[Tier, TierPolicy]) -> None:
+        self._tiers = tiers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        objective = GaugeMetricFamily(
+            "kvgate_tier_objective_seconds",
+            "A tier's objective: time to first token (ttft) and per output token (tpot)",
+            labels=["tier", "objective"],
+        )
+        for tier, policy in self._tiers.items():
+            objective.add_metric([tier.value, "ttft"], policy.ttft_ms / 1000)
+            objective.add_metric([tier.value, "tpot"], policy.tpot_ms / 1000)
+        yield objective
 
 
 class _LedgerCollector(Collector):
@@ -148,6 +211,9 @@ class FrontDoorMetrics:
             registry=self.registry,
         )
         self.registry.register(_FleetCollector(signals))
+
+    def watch_objectives(self, tiers: Mapping[Tier, TierPolicy]) -> None:
+        self.registry.register(_ObjectivesCollector(tiers))
 
     def watch_ledger(self, ledger: Ledger) -> None:
         self.registry.register(_LedgerCollector(ledger))
