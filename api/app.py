@@ -14,12 +14,13 @@ from sqlalchemy.engine import make_url
 
 from api.batches.runner import BatchRunner
 from api.calls import CallLine
+from api.dashboard import DashboardSampler
 from api.errors import install_error_handlers
 from api.frontdoor import FrontDoor
 from api.metrics import FrontDoorMetrics
 from api.openapi import install_openapi
 from api.replies import ReplyRouter
-from api.routes import admin, batches, chat, files, health, models, sessions
+from api.routes import admin, batches, chat, dashboard, files, health, models, sessions
 from api.tracing import RequestSpanMiddleware
 from broker.admission.admitter import Admitter
 from broker.admission.leases import SessionLeases
@@ -96,6 +97,10 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             leases.start()
             if settings.batch_runner:
                 runner.start()
+            sampler = DashboardSampler(
+                signals, admitter, metrics, interval_s=settings.dashboard_sample_s
+            )
+            sampler.start()
             app.state.front_door = FrontDoor(
                 settings=settings,
                 nc=nc,
@@ -117,6 +122,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 batch_engine=batch_engine,
                 batch_runner=runner,
                 started_s=int(time.time()),
+                dashboard=sampler,
             )
             log.info(
                 "kvgate api connected to %s; admission state %s; ledger %s",
@@ -133,6 +139,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             finally:
                 # Whatever ends the serving, an error included: left running, the collector's
                 # subscription kept the drain below waiting for ever.
+                await sampler.stop()
                 await runner.stop()
                 await leases.stop()
                 batch_engine.dispose()
@@ -158,6 +165,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.include_router(models.router)
     app.include_router(health.router)
     app.include_router(admin.router)
+    app.include_router(dashboard.router)
     return app
 
 

@@ -13,6 +13,7 @@ from sqlalchemy.engine import Engine
 from api.batches.runner import BatchRunner
 from api.calls import CallLine
 from api.chat_request import check_known_model
+from api.dashboard import DashboardSampler
 from api.metrics import FrontDoorMetrics
 from broker.admission.admitter import Admitter
 from broker.admission.leases import SessionLeases
@@ -39,6 +40,7 @@ class FrontDoor:
     batch_engine: Engine
     batch_runner: BatchRunner
     started_s: int
+    dashboard: DashboardSampler
 
     def known_models(self) -> set[str]:
         """The models calls may name: those the fleet's workers serve, and the one this front

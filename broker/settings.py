@@ -93,6 +93,9 @@ class ApiSettings(BaseSettings):
     heartbeat_max_age_s: float = Field(default=6.0, gt=0)
     # Bearer token for /v1/admin/*; not a tenant key. Unset: admin endpoints answer 401.
     admin_token: str | None = None
+    # How often the dashboard (/dashboard, api/dashboard.py) samples what the front door keeps
+    # current; it keeps an hour of samples in memory (1,800 at 2 s).
+    dashboard_sample_s: float = Field(default=2.0, ge=0.25, le=60)
     # Admission. No tenants file: one open development tenant whose highest tier is
     # `dev_tenant_tier`. No Redis URL: in-process admission state (one replica only).
     tenants_file: Path | None = None

@@ -23,15 +23,21 @@ ADMIN_TOKEN = bearer(
 )
 
 
+def is_admin_token(expected: str | None, given: bytes) -> bool:
+    """Whether ``given`` is the configured admin token (never, with none configured), in
+    constant time. Bytes, not text: compare_digest refuses text past ASCII (a token like that
+    was a 500, not a 401)."""
+    return bool(expected) and bool(given) and hmac.compare_digest(given, (expected or "").encode())
+
+
 async def require_admin(
     door: FrontDoorDep,
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(ADMIN_TOKEN)],
 ) -> None:
     expected = door.settings.admin_token
-    # Compared as the bytes each is sent as: header values arrive as Latin-1 text, and
-    # compare_digest refuses text past ASCII (a token like that was a 500, not a 401).
+    # Header values arrive as Latin-1 text: compared as the bytes they were sent as.
     given = b"" if bearer is None else bearer.credentials.encode("latin-1")
-    if not expected or not given or not hmac.compare_digest(given, expected.encode()):
+    if not is_admin_token(expected, given):
         raise Unauthorized(
             "admin endpoints need 'Authorization: Bearer <KVGATE_ADMIN_TOKEN>'"
             + ("" if expected else " (no admin token is configured on this server)"),
