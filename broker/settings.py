@@ -90,6 +90,9 @@ class ApiSettings(BaseSettings):
     # A request's head (request line and headers) past this is refused, 431, and its connection
     # closed (api/http.py): the bytes a client sends before its headers end are held in memory.
     max_head_bytes: int = Field(default=64 << 10, ge=4096)
+    # Health probes (/healthz, /readyz) in uvicorn's access log: off by default, as a load
+    # balancer or `kvgate up` asks several times a second (api/routes/health.py).
+    access_log_probes: bool = False
     heartbeat_max_age_s: float = Field(default=6.0, gt=0)
     # Bearer token for /v1/admin/*; not a tenant key. Unset: admin endpoints answer 401.
     admin_token: str | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -157,9 +158,12 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     from api.app import create_app
     from api.http import bounded_head_protocol
+    from api.routes.health import ProbeAccessFilter
     from broker.telemetry import setup_tracing, shutdown_tracing
 
     setup_tracing("kvgate-api")
+    if not settings.access_log_probes:
+        logging.getLogger("uvicorn.access").addFilter(ProbeAccessFilter())
     # uvicorn shuts down gracefully on SIGTERM and SIGINT, then raises the signal again under
     # the handlers it found installed: under the defaults, a clean stop would end as "killed
     # by SIGTERM" (143) or a KeyboardInterrupt. This handler takes that second delivery (and
@@ -272,6 +276,13 @@ def cmd_key_hash(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    from kvgate.top import run
+
+    token = os.environ.get("KVGATE_ADMIN_TOKEN")
+    return run(args.url, token, interval_s=args.interval, once=args.once)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
@@ -361,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     lag.add_argument("--interval", type=float, default=2.0)
     lag.add_argument("--json", action="store_true")
     lag.set_defaults(func=cmd_lag)
+
+    top = sub.add_parser("top", help="live view of a front door: workers, lag, admission")
+    top.add_argument("--url", default="http://127.0.0.1:8000", help="the front door")
+    top.add_argument("--interval", type=float, default=2.0)
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.set_defaults(func=cmd_top)
 
     up = sub.add_parser("up", help="embedded NATS + one worker + the front door")
     up.add_argument("--data-dir", default=".kvgate")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,23 @@ def kvgate_lag(url: str, *args: str) -> str:
     ).stdout
 
 
+def kvgate_top(base_url: str) -> dict[str, list[str] | str]:
+    """``kvgate top --once``: its rows by their first cell, and the whole text."""
+    text = subprocess.run(
+        [*COMMAND, "top", "--once", "--url", base_url],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KVGATE_ADMIN_TOKEN": TOKEN, "COLUMNS": "150"},
+    ).stdout
+    rows: dict[str, list[str] | str] = {"text": text}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("│┃ ").replace("┃", "│").split("│")]
+        if len(cells) > 1:
+            rows[cells[0]] = cells
+    return rows
+
+
 def standard(rows: list[dict[str, object]]) -> dict[str, object]:
     (row,) = [r for r in rows if r["tier"] == "standard"]
     return row
@@ -87,6 +105,9 @@ async def test_lag_reports_pending_calls_then_drains(
         assert standard(json.loads(cli))["pending"] == 3
         table = await asyncio.to_thread(kvgate_lag, nats_server.url)
         assert table.splitlines()[0].split()[:2] == ["TIER", "PENDING"]
+        frame = await asyncio.to_thread(kvgate_top, admin_api)
+        assert frame["standard"][:4] == ["standard", "3", "0", "0"], frame
+        assert "workers (0 live)" in frame["text"]
 
         worker = Worker(
             SimEngine(SimEngineConfig(served_model_name=MODEL, step_s=0.001)),
@@ -103,6 +124,9 @@ async def test_lag_reports_pending_calls_then_drains(
             assert row["oldest_pending_age_s"] is None
             live = (await client.get("/v1/admin/workers", headers=auth)).json()["workers"]
             assert [w["worker_id"] for w in live] == ["sim-lag"]
+            frame = await asyncio.to_thread(kvgate_top, admin_api)
+            assert frame["standard"][:3] == ["standard", "0", "0"], frame
+            assert frame["sim-lag"][-2] == "serving", frame
         finally:
             worker.request_stop()
             await asyncio.wait_for(task, SETTLE_BOUND_S)

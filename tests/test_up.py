@@ -37,6 +37,29 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def said_by_up(up: Proc, logs: Path, port: int) -> None:
+    """What a newcomer reads: a line per component naming its log, a line per phase of the
+    wait (the output is no terminal here), the banner; not one log line of the processes,
+    which are in their files, and no health probe in the front door's."""
+    assert up.log_path is not None
+    said = up.log_path.read_text().splitlines()
+    for component in ("nats", "worker", "api"):
+        [line] = [x for x in said if x.startswith(f"  {component} ")]
+        assert f"(log: {logs / component}.log)" in line
+        assert (logs / f"{component}.log").stat().st_size > 0
+    assert "  ... waiting for the worker's engine to load the model" in said
+    base = f"http://127.0.0.1:{port}"
+    ready = said.index(next(x for x in said if x.startswith("kvgate is ready in ")))
+    banner = "\n".join(said[ready:])
+    for url in (f"{base}/v1 ", f"{base}/dashboard ", f"{base}/metrics"):
+        assert url in banner
+    assert f"curl -s {base}/v1/chat/completions" in banner and '"model": "kvgate-dev"' in banner
+    assert not [x for x in said if x.lstrip().startswith("{")], "a JSON log line on the terminal"
+    api_log = (logs / "api.log").read_text()
+    assert '"logger": "uvicorn.access"' in api_log  # the calls above were access-logged
+    assert "/readyz" not in api_log  # probed twice a second while the engine loaded
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_up_serves_and_a_signal_stops_every_process(
     tmp_path: Path, dev_model: Path, sig: signal.Signals
@@ -82,6 +105,7 @@ def test_up_serves_and_a_signal_stops_every_process(
             time.sleep(0.1)
         assert not [p for p in started if alive(p)], up.tail()
         assert "kvgate stopped" in up.tail()
+        said_by_up(up, tmp_path / "data" / "logs", port)
     finally:
         if up.alive():
             os.killpg(up.pid, signal.SIGKILL)

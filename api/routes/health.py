@@ -9,6 +9,7 @@ why.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -42,6 +43,22 @@ _READINESS = {
         }
     }
 }
+
+
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+class ProbeAccessFilter(logging.Filter):
+    """Keeps health probes out of uvicorn's access log: a load balancer, an orchestrator or
+    ``kvgate up`` asks several times a second, which buried every other line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn's access record: (client address, method, path with query, HTTP version,
+        # status).
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].split("?", 1)[0] not in PROBE_PATHS
+        return True
 
 
 @router.get("/healthz", responses=error_responses())
