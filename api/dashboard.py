@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import msgspec
 from prometheus_client import Counter, Histogram
@@ -105,6 +105,8 @@ class Sample(msgspec.Struct, frozen=True):
     overcommit: float
     """The fleet's learned KV over-commit factor (the highest tier group's)."""
     windows: dict[Tier, float]
+    sessions: dict[Tier, dict[str, int]]
+    """Live sessions per tier and tenant, fleet-wide, as admission last read them."""
     decisions: list[DecisionRate]
     latency: list[TierLatency]
     worker_kv: dict[str, float | None]
@@ -187,6 +189,13 @@ def worker_rows(
 
 
 # -- reading the front door's Prometheus metrics (read-only) -----------------------------------
+
+
+def sessions_by_tier(active: Mapping[tuple[Tier, str], int]) -> dict[Tier, dict[str, int]]:
+    found: dict[Tier, dict[str, int]] = {tier: {} for tier in TIERS_BY_PRIORITY}
+    for (tier, tenant), count in active.items():
+        found[tier][tenant] = count
+    return found
 
 
 def decision_totals(counter: Counter) -> dict[tuple[Decision, Reason], float]:
@@ -313,7 +322,7 @@ class DashboardSampler:
         while len(self._readings) > 1 and self._readings[1].t <= now - LATENCY_WINDOW_S:
             self._readings.popleft()
         oldest = self._readings[0]
-        self.workers = worker_rows(signals.fleet.all(), now_ms, signals.fleet.max_age_ms)
+        self.workers = worker_rows(signals.fleet.recent(now_ms), now_ms, signals.fleet.max_age_ms)
         self._seq += 1
         sample = Sample(
             seq=self._seq,
@@ -323,6 +332,7 @@ class DashboardSampler:
             pressure=self.admitter.pressure.state.name.lower(),
             overcommit=self.admitter.windows.group_factors()[0],
             windows=dict(self.admitter.windows.windows),
+            sessions=sessions_by_tier(self.admitter.active_sessions),
             decisions=rates,
             latency=tier_latencies(reading, oldest if oldest is not reading else None),
             worker_kv={row.worker_id: row.kv_cache_usage for row in self.workers},
@@ -331,7 +341,10 @@ class DashboardSampler:
         return sample
 
     def start(self) -> None:
-        self.sample()
+        try:
+            self.sample()
+        except Exception:  # the front door starts without its first sample, not at all
+            log.exception("the dashboard's first sample failed; sampling goes on")
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:

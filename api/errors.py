@@ -7,8 +7,9 @@ a bare 500: an unexpected exception becomes ``internal_error`` and is logged wit
 Every kvgate error also carries ``x-should-retry: true`` where it carries ``Retry-After`` and
 ``false`` where it does not. The official OpenAI SDKs read that header before their own rule
 (which retries every 429 and 5xx), so a plain ``openai`` client retries exactly the answers
-where waiting helps, after the ``Retry-After`` kvgate named, and not, say, a session that can
-never fit (``exceeds_capacity``) or a call kvgate already retried on another worker.
+where waiting helps, after the ``Retry-After`` kvgate named, and not, say, a session that
+cannot finish by its deadline (``deadline_infeasible``) or a call kvgate already retried on
+another worker.
 """
 
 from __future__ import annotations

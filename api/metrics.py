@@ -75,15 +75,15 @@ class _FleetCollector(Collector):
             draining.add_metric([hb.worker_id], int(hb.draining))
             preemptions.add_metric([hb.worker_id], hb.num_preemptions)
         yield from (usage, running, waiting, max_seqs, staged, draining, preemptions)
-        # Every worker whose last heartbeat is still in the bucket, stale ones included: a
-        # worker that stopped heartbeating shows here as an age that grows, where the gauges
-        # above simply lose it.
+        # Every worker heard from in the last ten minutes, stale ones included: a worker that
+        # stopped heartbeating shows here as an age that grows (where the gauges above simply
+        # lose it), until it is forgotten.
         age = GaugeMetricFamily(
             "kvgate_worker_heartbeat_age_seconds",
             "Seconds since the worker's last heartbeat",
             labels=["worker"],
         )
-        for hb in self._signals.fleet.all():
+        for hb in self._signals.fleet.recent(now_ms):
             age.add_metric([hb.worker_id], max(0.0, now_ms - hb.sent_ms) / 1000)
         yield age
         pending = GaugeMetricFamily(

@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 SPEED_WINDOW_MS = 60_000
 
 
+FORGOTTEN_AFTER_MS = 10 * 60 * 1000
+
+
 class FleetView:
     def __init__(self, max_age_s: float) -> None:
         self.max_age_ms = int(max_age_s * 1000)
@@ -75,6 +78,12 @@ class FleetView:
     def all(self) -> list[WorkerHeartbeat]:
         """Every worker with an entry, stale ones included (the policy sees their age)."""
         return list(self._workers.values())
+
+    def recent(self, now_ms: int) -> list[WorkerHeartbeat]:
+        """Workers heard from within ``FORGOTTEN_AFTER_S``, stale ones included: what operators
+        are shown. A worker that died keeps its entry here (a bucket key that expires sends
+        no delete to the watch), so past that it is shown no more."""
+        return [hb for hb in self._workers.values() if now_ms - hb.sent_ms <= FORGOTTEN_AFTER_MS]
 
     def live(self, now_ms: int) -> list[WorkerHeartbeat]:
         """Workers whose last heartbeat is fresh, draining ones included."""

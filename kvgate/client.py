@@ -55,6 +55,9 @@ REFUSED_STATUSES = frozenset({429, 503})
 raised as ``openai`` raises it."""
 ENDED_STATUSES = frozenset({404, 409, 410})
 """Closing a session that already ended (not found, closed, expired): nothing to give back."""
+EXCEEDS_CAPACITY = "exceeds_capacity"
+CLOSE_TIMEOUT_S = 10.0
+"""How long closing may take: past it the session is left to end at its idle timeout."""
 UNREACHABLE_BACKOFF_S = 0.5
 """The first wait after a request that got no answer at all; doubled each time."""
 
@@ -65,7 +68,9 @@ class GaveUp(enum.StrEnum):
     """Why a session was not opened."""
 
     WAITING_WILL_NOT_HELP = "waiting_will_not_help"
-    """kvgate refused without ``Retry-After`` (``exceeds_capacity``, ``deadline_infeasible``)."""
+    """kvgate refused without ``Retry-After`` (``deadline_infeasible``), or the session is
+    larger than the fleet could ever hold (``exceeds_capacity``: kvgate asks for a minute, in
+    case the fleet grows; ``wait_for_fleet_growth=True`` waits)."""
     RETRY_BUDGET_SPENT = "retry_budget_spent"
     PAST_DEADLINE = "past_deadline"
     """The wait kvgate asked for would end after the session's own deadline."""
@@ -84,6 +89,7 @@ class SessionNotOpened(Exception):
         status: int | None,
         retry_after: float | None,
         attempts: int,
+        refusals: int,
         waited_s: float,
     ) -> None:
         answer = f"{status} {code}" if status is not None else "no answer"
@@ -97,6 +103,8 @@ class SessionNotOpened(Exception):
         self.status = status
         self.retry_after = retry_after
         self.attempts = attempts
+        self.refusals = refusals
+        """Attempts kvgate answered with a refusal (the others got no answer)."""
         self.waited_s = waited_s
 
 
@@ -115,6 +123,8 @@ class Session(Generic[C]):
     framework (``OpenAIChatCompletionsModel(openai_client=s.client)``...)."""
     attempts: int
     """Requests it took to open, the admitting one included."""
+    refusals: int
+    """Attempts before it that kvgate refused (the others got no answer)."""
     waited_s: float
     answer: dict[str, Any] = field(repr=False)
     """kvgate's whole answer (``lease``, ``admission``...)."""
@@ -135,7 +145,9 @@ class _Opening:
     jitter: float
     rng: random.Random
     started: float
+    wait_for_fleet_growth: bool = False
     attempts: int = 0
+    refusals: int = 0
 
     def request_body(self, now: float) -> dict[str, Any]:
         self.attempts += 1
@@ -152,6 +164,7 @@ class _Opening:
             return self._wait_after_silence(error, now)
         if error.status_code not in REFUSED_STATUSES:
             raise error
+        self.refusals += 1
         retry_after = _retry_after(error)
         code = error.code if isinstance(error.code, str) else None
 
@@ -162,10 +175,11 @@ class _Opening:
                 status=error.status_code,
                 retry_after=retry_after,
                 attempts=self.attempts,
+                refusals=self.refusals,
                 waited_s=now - self.started,
             )
 
-        if retry_after is None:
+        if retry_after is None or (code == EXCEEDS_CAPACITY and not self.wait_for_fleet_growth):
             raise give_up(GaveUp.WAITING_WILL_NOT_HELP) from error
         if self.attempts > self.retry_budget:
             raise give_up(GaveUp.RETRY_BUDGET_SPENT) from error
@@ -189,6 +203,7 @@ class _Opening:
                 status=None,
                 retry_after=None,
                 attempts=self.attempts,
+                refusals=self.refusals,
                 waited_s=now - self.started,
             ) from error
         base = UNREACHABLE_BACKOFF_S * 2.0 ** (self.attempts - 1)
@@ -204,6 +219,7 @@ class _Opening:
             max_parallel=int(lease.get("max_parallel", self.body["max_parallel"])),
             client=client.with_options(default_headers={SESSION_HEADER: answer["id"]}),
             attempts=self.attempts,
+            refusals=self.refusals,
             waited_s=now - self.started,
             answer=answer,
         )
@@ -237,7 +253,9 @@ class kvgate_session(Generic[C]):  # noqa: N801 - used like contextlib's closing
     ``deadline_s`` counts from entering the block (each attempt asks for what is left of it);
     the session's other fields are those of ``POST /v1/sessions`` (``extra`` for any other).
     ``retry_budget`` is the number of attempts after the first; ``jitter`` spreads each wait
-    over ``Retry-After`` times 1 ± jitter."""
+    over ``Retry-After`` times 1 ± jitter. ``wait_for_fleet_growth``: wait out
+    ``exceeds_capacity`` too (kvgate asks for a minute, in case workers join). Closing waits at
+    most ``close_timeout_s``, with no retry of its own."""
 
     def __init__(
         self,
@@ -257,6 +275,8 @@ class kvgate_session(Generic[C]):  # noqa: N801 - used like contextlib's closing
         retry_budget: int = 6,
         jitter: float = 0.2,
         rng: random.Random | None = None,
+        wait_for_fleet_growth: bool = False,
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
     ) -> None:
         if not 0 <= jitter < 1:
             raise ValueError(f"jitter must be in [0, 1), not {jitter}")
@@ -280,6 +300,8 @@ class kvgate_session(Generic[C]):  # noqa: N801 - used like contextlib's closing
         self._retry_budget = retry_budget
         self._jitter = jitter
         self._rng = rng or random.Random()
+        self._wait_for_fleet_growth = wait_for_fleet_growth
+        self._close_timeout_s = close_timeout_s
         self._session: Session[C] | None = None
 
     def _opening(self) -> tuple[_Opening, str]:
@@ -290,6 +312,7 @@ class kvgate_session(Generic[C]):  # noqa: N801 - used like contextlib's closing
             self._jitter,
             self._rng,
             time.monotonic(),
+            self._wait_for_fleet_growth,
         )
         return opening, uuid.uuid4().hex
 
@@ -325,8 +348,9 @@ class kvgate_session(Generic[C]):  # noqa: N801 - used like contextlib's closing
         if session is None:
             return
         assert isinstance(session.client, OpenAI)
+        closer = session.client.with_options(timeout=self._close_timeout_s, max_retries=0)
         with _closing_quietly(session.id):
-            session.client.delete(f"/sessions/{session.id}", cast_to=object)
+            closer.delete(f"/sessions/{session.id}", cast_to=object)
 
     async def __aenter__(self) -> Session[C]:
         # __enter__ under asyncio: kept apart, as openai keeps OpenAI and AsyncOpenAI apart.
@@ -360,6 +384,7 @@ class kvgate_session(Generic[C]):  # noqa: N801 - used like contextlib's closing
         if session is None:
             return
         assert isinstance(session.client, AsyncOpenAI)
+        closer = session.client.with_options(timeout=self._close_timeout_s, max_retries=0)
         with _closing_quietly(session.id):
             # Shielded: a block cancelled by its caller's timeout still gives its room back.
-            await asyncio.shield(session.client.delete(f"/sessions/{session.id}", cast_to=object))
+            await asyncio.shield(closer.delete(f"/sessions/{session.id}", cast_to=object))

@@ -78,7 +78,8 @@ class Supervisor:
             users=NatsUsers.from_env(os.environ) or NatsUsers.generate(),
         )
         # The dashboard is behind the admin token: one made here unless the operator set one.
-        admin_token = os.environ.get("KVGATE_ADMIN_TOKEN") or secrets.token_urlsafe(18)
+        given_token = os.environ.get("KVGATE_ADMIN_TOKEN")
+        admin_token = given_token or secrets.token_urlsafe(18)
         started = time.monotonic()
         try:
             nats.start()
@@ -100,7 +101,8 @@ class Supervisor:
             self._say("api", f"the front door on {self.base_url}", "api")
             code = self._wait_ready()
             if code is None:
-                print(self._banner(time.monotonic() - started, admin_token), flush=True)
+                shown = "KVGATE_ADMIN_TOKEN" if given_token else admin_token
+                print(self._banner(time.monotonic() - started, shown), flush=True)
                 code = self._wait_until_stopped()
             return code
         finally:
@@ -118,6 +120,8 @@ class Supervisor:
         print(f"  {component:<7} {what}  (log: {self.log_dir / log}.log)", flush=True)
 
     def _banner(self, took_s: float, admin_token: str) -> str:
+        """``admin_token``: the one made here, or the name of the variable that set it (a
+        token the operator chose is not printed into a terminal's scrollback or a log)."""
         model = _served_model(self.base_url) or "<model>"
         example = json.dumps(
             {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}

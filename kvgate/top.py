@@ -24,9 +24,6 @@ from rich.text import Text
 
 PRESSURE = {0: "normal", 1: "elevated", 2: "saturated"}
 """``kvgate_admission_pressure``'s values (``broker.admission.pressure.Pressure``)."""
-STALE_AFTER_S = 6.0
-"""A heartbeat older than this is drawn as stale: the front door's default limit
-(``KVGATE_HEARTBEAT_MAX_AGE_S``)."""
 
 
 class TopError(Exception):
@@ -124,13 +121,14 @@ def render(base_url: str, now: Frame, before: Frame | None) -> Group:
             _age(row.get("oldest_pending_age_s")),
         )
 
-    workers = Table(title=f"workers ({len(now.workers)} live)", title_justify="left", expand=True)
+    live = sum(1 for w in now.workers if not w.get("stale"))
+    workers = Table(title=f"workers ({live} live)", title_justify="left", expand=True)
     columns = ("worker", "kv", "running/max", "waiting", "staged", "preempted", "state", "beat")
     for column in columns:
         workers.add_column(column, justify="left" if column in ("worker", "state") else "right")
     for w in sorted(now.workers, key=lambda w: str(w["worker_id"])):
         usage = w.get("kv_cache_usage")
-        stale = float(w.get("age_s") or 0.0) > STALE_AFTER_S
+        stale = bool(w.get("stale"))
         workers.add_row(
             str(w["worker_id"]),
             "-" if usage is None else f"{usage:.0%}",
@@ -138,7 +136,7 @@ def render(base_url: str, now: Frame, before: Frame | None) -> Group:
             str(w["num_waiting"]),
             str(w.get("staged", 0)),
             str(w.get("num_preemptions", 0)),
-            "draining" if w.get("draining") else "serving",
+            "stale" if stale else "draining" if w.get("draining") else "serving",
             _age(w.get("age_s")),
             style="red" if stale else None,
         )

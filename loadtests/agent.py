@@ -182,13 +182,14 @@ class Agent:
         """The ``openai`` client polite agents open their sessions with (one connection pool
         for all the agent's sessions, as an agent process would have)."""
         if self._openai is None:
-            # No retries of its own (kvgate_session retries the opening) and a bounded wait,
-            # as this module's own close had: a slow close must not hold the run up.
+            # No retries of its own (kvgate_session retries the opening) and, as this module's
+            # own requests, no timeout: the session's deadline bounds the opening, and
+            # kvgate_session bounds the close (close_timeout_s).
             self._openai = AsyncOpenAI(
                 base_url=self.target.base_url + "/v1",
                 api_key=self.target.api_key,
                 max_retries=0,
-                timeout=CLOSE_TIMEOUT_S,
+                timeout=None,
             )
         return self._openai
 
@@ -207,29 +208,26 @@ class Agent:
         )
         deadline = self.started + trace.arrival_s + trace.deadline_s
         retry = RetryPolicy(trace.client, random.Random(f"retry:{trace.session_id}"))
-        session_id: str | None = None
-        try:
-            async with asyncio.timeout(deadline - time.monotonic()):
-                if self.target.mode is not Mode.KVGATE_SESSION:
-                    await self._turns(trace, outcome, retry, deadline, None)
-                elif trace.client is ClientKind.POLITE:
-                    await self._in_session(trace, outcome, retry, deadline)
-                else:
-                    session_id = await self._open_session(trace, outcome, retry, deadline)
-                    if session_id is None:
-                        return outcome
+        # Outside the deadline's timeout: a session is closed after its calls, and a close that
+        # ends past the deadline does not make a finished session a missed one.
+        async with contextlib.AsyncExitStack() as closing:
+            try:
+                async with asyncio.timeout(deadline - time.monotonic()):
+                    session_id = None
+                    if self.target.mode is Mode.KVGATE_SESSION:
+                        session_id = await self._open_session(
+                            trace, outcome, retry, deadline, closing
+                        )
+                        if session_id is None:
+                            return outcome
                     await self._turns(trace, outcome, retry, deadline, session_id)
-        except TimeoutError:
-            outcome.deadline_missed = True
-        finally:
-            for call in outcome.calls:
-                if call.status is CallStatus.NOT_SENT and call.sent_s is not None:
-                    call.status = CallStatus.ABANDONED
-            if outcome.ended_s is None:
+            except TimeoutError:
+                outcome.deadline_missed = True
+            finally:
+                for call in outcome.calls:
+                    if call.status is CallStatus.NOT_SENT and call.sent_s is not None:
+                        call.status = CallStatus.ABANDONED
                 outcome.ended_s = self.now()
-            if session_id is not None:
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    await self._close_session(session_id)
         return outcome
 
     async def _turns(
@@ -386,41 +384,59 @@ class Agent:
             if first_token is not None and last_token is not None and out.completion_tokens > 1:
                 out.tpot_s = (last_token - first_token) / (out.completion_tokens - 1)
 
-    async def _in_session(
+    async def _open_session(
         self,
         trace: SessionTrace,
         outcome: SessionOutcome,
         retry: RetryPolicy,
         deadline: float,
-    ) -> None:
-        """A polite agent's session, opened and closed by kvgate's client."""
+        closing: contextlib.AsyncExitStack,
+    ) -> str | None:
+        """The session's id once admitted, its close put on ``closing``; None if refused."""
+        if trace.client is ClientKind.POLITE:
+            return await self._open_politely(trace, outcome, retry, deadline, closing)
+        session_id = await self._open_at_once(trace, outcome, retry, deadline)
+        if session_id is not None:
+            closing.push_async_callback(self._close_session, session_id)
+        return session_id
+
+    async def _open_politely(
+        self,
+        trace: SessionTrace,
+        outcome: SessionOutcome,
+        retry: RetryPolicy,
+        deadline: float,
+        closing: contextlib.AsyncExitStack,
+    ) -> str | None:
+        """A polite agent opens (and closes) its session with kvgate's client."""
         opening = kvgate_session(
             self._sessions_client(),
             deadline_s=deadline - time.monotonic(),
             retry_budget=POLITE_RETRY_BUDGET,
             rng=random.Random(f"open:{trace.session_id}"),
+            close_timeout_s=CLOSE_TIMEOUT_S,
             **_declared(trace),
         )
         try:
-            async with opening as session:
-                outcome.admission_wait_s = self.now() - trace.arrival_s
-                outcome.deferrals = outcome.session_retries = session.attempts - 1
-                retry.used = session.attempts - 1  # one budget for the session, as before
-                try:
-                    await self._turns(trace, outcome, retry, deadline, session.id)
-                finally:
-                    outcome.ended_s = self.now()  # before the close, as for naive agents
+            session = await closing.enter_async_context(opening)
         except SessionNotOpened as refused:
-            outcome.deferrals = refused.attempts
+            outcome.deferrals = refused.refusals
             outcome.session_retries = refused.attempts - 1
             outcome.admitted = False
             outcome.refusal_code = refused.code or refused.why.value
+            return None
         except APIStatusError as error:  # an answer but no refusal (a 400): not retried
             outcome.deferrals += 1
             outcome.admitted = False
             outcome.refusal_code = error.code if isinstance(error.code, str) else None
+            return None
+        outcome.admission_wait_s = self.now() - trace.arrival_s
+        outcome.deferrals = session.refusals
+        outcome.session_retries = session.attempts - 1
+        retry.used = session.attempts - 1  # one retry budget for the session, as before
+        return session.id
 
-    async def _open_session(
+    async def _open_at_once(
         self,
         trace: SessionTrace,
         outcome: SessionOutcome,
@@ -451,8 +467,9 @@ class Agent:
         url = f"{self.target.base_url}/v1/sessions/{session_id}"
         headers = {"Authorization": f"Bearer {self.target.api_key}"}
         timeout = aiohttp.ClientTimeout(CLOSE_TIMEOUT_S)
-        async with self.http.delete(url, headers=headers, timeout=timeout):
-            pass
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with self.http.delete(url, headers=headers, timeout=timeout):
+                pass
 
 
 async def _error_of(resp: aiohttp.ClientResponse) -> tuple[str | None, float | None]:

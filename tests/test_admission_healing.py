@@ -84,11 +84,13 @@ async def test_heal_recomputes_totals_and_mends_the_expiry_index(
         # expiry entry (it would never end), an expiry entry for no lease.
         await client.hset(f"{prefix}:totals", "tier:standard", 999_999)
         await client.hset(f"{prefix}:totals", "sessions:acme", -3)
+        await client.hset(f"{prefix}:totals", "active:standard:acme", 7)
         await client.zrem(f"{prefix}:expiry", "b")
         await client.zadd(f"{prefix}:expiry", {"ghost": now_ms + 1_000})
-        assert await store.heal(now_ms) == 4
+        assert await store.heal(now_ms) == 5
         held = await store.holdings("acme", now_ms)
         assert held.reserved_by_tier[Tier.STANDARD] == 3_000 and held.tenant_sessions == 3
+        assert await store.active_sessions() == {(Tier.STANDARD, "acme"): 3}
         assert await client.zscore(f"{prefix}:expiry", "b") is not None
         assert await client.zscore(f"{prefix}:expiry", "ghost") is None
         assert await store.heal(now_ms) == 0

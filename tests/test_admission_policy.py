@@ -390,17 +390,27 @@ def test_a_first_turn_that_the_workers_cannot_start_now_is_deferred() -> None:
     assert (deferred.decision, deferred.reason) == (Decision.DEFER, Reason.FLEET_SATURATED)
     assert deferred.signals["uncommitted_tokens"] == 500
     assert deferred.bound_group is None  # not a reason for the windows to grow
-    # A session that accepts fewer calls is shaped to what can start now (2 x 250 of 500).
+    # A first turn that cannot start now is deferred even where the session accepts fewer
+    # calls: a passing moment does not shape it for its whole life.
     half_busy = FleetSnapshot(
         (replace(worker(usage=0.1), committed_tokens=8_000),), {}, unseen_tokens=1_500
     )
+    assert run(need(Tier.GUARANTEED, least=1), f=half_busy)[:2] == (
+        Decision.DEFER,
+        Reason.FLEET_SATURATED,
+    )
+    # One larger than the caches together could never start at once: shaped to what they hold
+    # (4 x 250 asked, 600 tokens of cache, windows over-committed 4 times), or deferred where
+    # the session takes nothing less.
+    small = fleet(worker(capacity=600, usage=0.0))
+    wide = replace(POLICY, kv_overcommit=4.0)
     shaped = decide(
-        need(Tier.GUARANTEED, least=1), TENANT, half_busy, holdings(), Pressure.NORMAL, POLICY,
+        need(Tier.GUARANTEED, least=1), TENANT, small, holdings(), Pressure.NORMAL, wide,
         max_age_s=MAX_AGE_S, jitter=0.5,
     )  # fmt: skip
     assert (shaped.decision, shaped.granted_parallel) == (Decision.ADMIT, 2)
     assert shaped.bound_group is None
-    assert run(need(Tier.GUARANTEED, least=3), f=half_busy)[:2] == (
+    assert run(need(Tier.GUARANTEED), f=small, policy=wide)[:2] == (
         Decision.DEFER,
         Reason.FLEET_SATURATED,
     )

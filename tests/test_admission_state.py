@@ -83,6 +83,30 @@ async def test_reserve_then_release_returns_the_tokens(store: AdmissionState) ->
     assert await store.reserved_tokens() == 0
 
 
+async def test_live_sessions_are_counted_per_tier_and_tenant(store: AdmissionState) -> None:
+    assert await store.active_sessions() == {}
+    for sid, tier, tenant in (
+        ("s1", Tier.STANDARD, "acme"),
+        ("s2", Tier.STANDARD, "acme"),
+        ("s3", Tier.GUARANTEED, "acme"),
+        ("s4", Tier.STANDARD, "beta"),
+    ):
+        outcome = await store.reserve(request(session(sid, tier=tier, tenant=tenant)), T0)
+        assert outcome.admitted, outcome
+    assert await store.active_sessions() == {
+        (Tier.STANDARD, "acme"): 2,
+        (Tier.GUARANTEED, "acme"): 1,
+        (Tier.STANDARD, "beta"): 1,
+    }
+    await store.release("s1", SessionState.CLOSED, T0 + 1)
+    await store.release("s4", SessionState.CLOSED, T0 + 1)
+    await store.release("s4", SessionState.CLOSED, T0 + 2)  # twice: counted once
+    assert await store.active_sessions() == {
+        (Tier.STANDARD, "acme"): 1,
+        (Tier.GUARANTEED, "acme"): 1,
+    }
+
+
 async def test_reserve_enforces_the_fleet_total_and_the_nested_tier_groups(
     store: AdmissionState,
 ) -> None:

@@ -37,6 +37,20 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+SAID_BOUND_S = 30.0
+"""From the front door's first 200 on /readyz to `up`'s banner: a probe every half second and a
+GET of /v1/models, on a loaded 2-core machine."""
+
+
+def poll_said(up: Proc, start: str, *, timeout_s: float) -> None:
+    assert up.log_path is not None
+    deadline = time.monotonic() + timeout_s
+    while not any(x.startswith(start) for x in up.log_path.read_text().splitlines()):
+        assert time.monotonic() < deadline, up.tail()
+        assert up.alive(), up.tail()
+        time.sleep(0.2)
+
+
 def said_by_up(up: Proc, logs: Path, port: int) -> None:
     """What a newcomer reads: a line per component naming its log, a line per phase of the
     wait (the output is no terminal here), the banner; not one log line of the processes,
@@ -74,6 +88,9 @@ def test_up_serves_and_a_signal_stops_every_process(
     )  # fmt: skip
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", up, timeout=240)
+        # Ready once `up` says so (its own probe, a moment after ours), so that its banner is
+        # out before the stop below.
+        poll_said(up, "kvgate is ready in ", timeout_s=SAID_BOUND_S)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         reply = client.chat.completions.create(
             model="kvgate-dev", messages=[{"role": "user", "content": "hi"}], max_tokens=4

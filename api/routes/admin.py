@@ -57,10 +57,16 @@ async def lag(door: FrontDoorDep, _: AdminDep) -> dict[str, Any]:
 
 @router.get("/workers", responses=_ADMIN_ERRORS)
 async def workers(door: FrontDoorDep, _: AdminDep) -> dict[str, Any]:
+    """Every worker heard from in the last ten minutes; ``stale`` where its heartbeat is older
+    than the front door's limit (it is given no work)."""
     now_ms = int(time.time() * 1000)
-    live = door.fleet.live(now_ms)
     return {
         "workers": [
-            {**msgspec.to_builtins(hb), "age_s": (now_ms - hb.sent_ms) / 1000} for hb in live
+            {
+                **msgspec.to_builtins(hb),
+                "age_s": (now_ms - hb.sent_ms) / 1000,
+                "stale": now_ms - hb.sent_ms > door.fleet.max_age_ms,
+            }
+            for hb in sorted(door.fleet.recent(now_ms), key=lambda hb: hb.worker_id)
         ]
     }

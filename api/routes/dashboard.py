@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import time
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qs
@@ -64,9 +65,20 @@ _PAGE_HEADERS = {
 router = APIRouter(prefix="/dashboard", include_in_schema=False)
 
 
-def session_value(token: str) -> str:
-    """The cookie's value for ``token``."""
-    return hmac.new(token.encode(), _COOKIE_CONTEXT, hashlib.sha256).hexdigest()
+def session_value(token: str, issued_s: int) -> str:
+    """The cookie's value for ``token``, signed in at ``issued_s`` (unix seconds): the time is
+    signed with it, so that a copied cookie stops working when its age passes
+    ``COOKIE_MAX_AGE_S`` whatever the browser was told."""
+    mac = hmac.new(token.encode(), _COOKIE_CONTEXT + b"%d" % issued_s, hashlib.sha256)
+    return f"{issued_s}.{mac.hexdigest()}"
+
+
+def valid_cookie(cookie: str, token: str, now_s: float) -> bool:
+    """Whether ``cookie`` was signed in with ``token`` within ``COOKIE_MAX_AGE_S``."""
+    issued, _, _ = cookie.partition(".")
+    if not issued.isdigit() or not 0 <= now_s - int(issued) <= COOKIE_MAX_AGE_S:
+        return False
+    return is_admin_token(session_value(token, int(issued)), cookie.encode())
 
 
 def signed_in(request: Request, settings: ApiSettings) -> bool:
@@ -75,7 +87,7 @@ def signed_in(request: Request, settings: ApiSettings) -> bool:
     if not expected:
         return False
     cookie = request.cookies.get(COOKIE)
-    if cookie is not None and is_admin_token(session_value(expected), cookie.encode()):
+    if cookie is not None and valid_cookie(cookie, expected, time.time()):
         return True
     scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and is_admin_token(expected, credentials.encode("latin-1"))
@@ -127,7 +139,7 @@ async def login(request: Request, settings: SettingsDep) -> Response:
     response = RedirectResponse(COOKIE_PATH, status_code=303, headers=_PAGE_HEADERS)
     response.set_cookie(
         COOKIE,
-        session_value(expected),
+        session_value(expected, int(time.time())),
         max_age=COOKIE_MAX_AGE_S,
         path=COOKIE_PATH,
         secure=request.url.scheme == "https",

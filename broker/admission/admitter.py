@@ -64,6 +64,9 @@ HOLD_POLL_S = 0.25
 """How often a held session is decided again with no release seen here (each time one read of
 the shared state): a release on another replica, or a worker's reading, is seen this late."""
 UNSEEN_MARGIN_MS = 250
+ACTIVE_SESSIONS_READ_S = 5.0
+"""How often the live sessions per tier and tenant are read for the metrics and the dashboard
+(one Redis round trip; they are not on any decision's path)."""
 HEAL_INTERVAL_S = 60.0
 """How often the shared state's totals are recomputed from its leases (``AdmissionState.heal``):
 an O(leases) script, cheap once a minute, and a drift is never older than this."""
@@ -174,6 +177,9 @@ class Admitter:
         self._task: asyncio.Task[None] | None = None
         self._state_reachable = True
         self._healed_ms = 0
+        self._counted_ms = 0
+        self.active_sessions: dict[tuple[Tier, str], int] = {}
+        """Live sessions per tier and tenant, fleet-wide, as last read (``_tick``)."""
 
     # -- background: pressure readings and lease expiry ---------------------------------
 
@@ -214,6 +220,10 @@ class Admitter:
             self.pace.refresh(now_ms / 1000)
         try:
             await self.state.sweep(now_ms)
+            if now_ms - self._counted_ms >= ACTIVE_SESSIONS_READ_S * 1000:
+                self._counted_ms = now_ms
+                self.active_sessions = await self.state.active_sessions()
+                self.metrics.set_active_sessions(self.active_sessions)
             if now_ms - self._healed_ms >= HEAL_INTERVAL_S * 1000:
                 self._healed_ms = now_ms
                 wrong = await self.state.heal(now_ms)

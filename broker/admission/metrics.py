@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from schemas.vocab import Tier
 
 
 class AdmissionMetrics:
@@ -52,3 +56,17 @@ class AdmissionMetrics:
             ["tier"],
             registry=registry,
         )
+        self.sessions_active = Gauge(
+            "kvgate_admission_sessions_active",
+            "Live sessions (holding a lease) per tier and tenant, fleet-wide, read every few "
+            "seconds from the admission state",
+            ["tier", "tenant"],
+            registry=registry,
+        )
+
+    def set_active_sessions(self, active: Mapping[tuple[Tier, str], int]) -> None:
+        # Cleared first: a tenant whose last session ended drops out instead of staying at
+        # its last count. Both run on the event loop, so a scrape never sees it half-set.
+        self.sessions_active.clear()
+        for (tier, tenant), count in active.items():
+            self.sessions_active.labels(tier.value, tenant).set(count)

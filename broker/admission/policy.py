@@ -332,8 +332,8 @@ def decide(
 
     A session that does not fit with ``max_parallel`` calls in flight is granted fewer, down to
     ``min_parallel`` and to the fewest with which it can still finish by its deadline
-    (``AdmissionDecision.granted_parallel``), and is granted no more than the workers can start
-    at once; only below that is it deferred or rejected."""
+    (``AdmissionDecision.granted_parallel``), and to no more calls than the serving workers'
+    caches could ever start at once; only below that is it deferred or rejected."""
     live = [w for w in fleet.workers if w.age_s <= max_age_s]
     serving = [w for w in live if not w.draining]
     physical = sum(w.kv_capacity_tokens or 0 for w in serving)
@@ -443,15 +443,18 @@ def decide(
         # Shaped by the room left now (not by the session's size): the narrowest group bound.
         narrowest = fit.index(min(fit)) if granted < widest else None
         # 7. What the fleet can start now. Not a bound of the windows: it says nothing about
-        # how much of their reservations admitted sessions use over their lives. A session
-        # that accepts fewer calls in flight is shaped to what can start, not deferred: on an
-        # idle fleet, a session declaring more than the caches hold would otherwise be
-        # deferred for ever.
+        # how much of their reservations admitted sessions use over their lives. A first turn
+        # larger than the serving workers' caches together could never start at once, so a
+        # session that accepts fewer calls is shaped to what they hold (over-committed windows
+        # would otherwise let it wait for ever on an idle fleet); one that could start but
+        # cannot now is deferred, not shaped for its whole life by a passing moment.
         free = uncommitted_tokens(fleet, max_age_s)
         signals["uncommitted_tokens"] = free
         if not need.may_queue:
-            granted = min(granted, most_parallel(need.call_tokens, [free]))
-            if granted < fewest:
+            ever_at_once = most_parallel(need.call_tokens, [physical])
+            if fewest <= ever_at_once < granted:
+                granted = ever_at_once
+            if granted * need.call_tokens > free:
                 return answer(Decision.DEFER, Reason.FLEET_SATURATED, policy.default_retry_after_s)
         if granted < need.max_parallel:
             signals["granted_parallel"] = granted

@@ -10,7 +10,7 @@ the vocabulary lives only in ``schemas.vocab``. Keys, all under one hash-tagged 
 - ``P:leases``          hash id -> "tier tenant tokens parallel" for every live reservation
 - ``P:expiry``          sorted set id -> lease expiry (ms); what the sweep reads
 - ``P:totals``          hash: ``tier:<tier>`` tokens, ``sessions:<tenant>``, ``parallel:<tenant>``,
-                        ``tokens:<tenant>`` (reserved)
+                        ``tokens:<tenant>`` (reserved), ``active:<tier>:<tenant>`` sessions
 - ``P:slots:<id>``      sorted set call id -> call deadline (the session's calls in flight)
 - ``P:weights:<id>``    hash call id -> its charge's tokens, for the same calls
 - ``P:released:<b>``    tokens released in 10 s bucket ``b`` (TTL 80 s)
@@ -293,6 +293,10 @@ class RedisAdmissionState:
 
     async def reserved_tokens(self) -> int:
         return int(await self._call("reserved", 0))
+
+    async def active_sessions(self) -> dict[tuple[Tier, str], int]:
+        out = await self._call("active", 0)
+        return {(Tier(out[i]), str(out[i + 1])): int(out[i + 2]) for i in range(0, len(out), 3)}
 
     async def follow_releases(self, listener: ReleaseListener) -> None:
         """Tell ``listener`` of every call slot and session freed by another store on this

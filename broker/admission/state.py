@@ -186,6 +186,10 @@ class AdmissionState(Protocol):
         """Tokens reserved fleet-wide right now."""
         ...
 
+    async def active_sessions(self) -> dict[tuple[Tier, str], int]:
+        """Live sessions (holding a lease) per tier and tenant, fleet-wide; none listed at 0."""
+        ...
+
     async def heal(self, now_ms: int) -> int:
         """Mend what lost or stray keys left wrong (the totals from the leases); returns how
         many entries were wrong."""
@@ -370,6 +374,13 @@ class MemoryAdmissionState:
 
     async def reserved_tokens(self) -> int:
         return sum(self._by_tier.values())
+
+    async def active_sessions(self) -> dict[tuple[Tier, str], int]:
+        found: dict[tuple[Tier, str], int] = defaultdict(int)
+        for session_id in self._leases:
+            record = self._records[session_id]
+            found[record.tier, record.tenant] += 1
+        return dict(found)
 
     async def follow_releases(self, listener: ReleaseListener) -> None:
         return None

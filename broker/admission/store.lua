@@ -37,6 +37,7 @@ local function end_lease(id, state)
   redis.call('HINCRBY', P .. ':totals', 'sessions:' .. tenant, -1)
   redis.call('HINCRBY', P .. ':totals', 'parallel:' .. tenant, -tonumber(parallel))
   redis.call('HINCRBY', P .. ':totals', 'tokens:' .. tenant, -tokens)
+  redis.call('HINCRBY', P .. ':totals', 'active:' .. tier .. ':' .. tenant, -1)
   redis.call('HDEL', P .. ':leases', id)
   redis.call('ZREM', P .. ':expiry', id)
   local b = P .. ':released:' .. math.floor(now / BUCKET)
@@ -121,6 +122,7 @@ elseif op == 'reserve' then
   redis.call('HINCRBY', P .. ':totals', 'sessions:' .. tenant, 1)
   redis.call('HINCRBY', P .. ':totals', 'parallel:' .. tenant, parallel)
   redis.call('HINCRBY', P .. ':totals', 'tokens:' .. tenant, tokens)
+  redis.call('HINCRBY', P .. ':totals', 'active:' .. tier .. ':' .. tenant, 1)
   redis.call('INCRBY', tpm_key, tpm_charge)
   redis.call('PEXPIRE', tpm_key, 120000)
   redis.call('HSET', P .. ':leases', id,
@@ -227,6 +229,7 @@ elseif op == 'heal' then
     add('sessions:' .. tenant, 1)
     add('parallel:' .. tenant, tonumber(parallel))
     add('tokens:' .. tenant, tonumber(tokens))
+    add('active:' .. tier .. ':' .. tenant, 1)
     if not redis.call('ZSCORE', P .. ':expiry', id) then
       local expires = redis.call('HGET', skey(id), 'expires_ms') or now
       redis.call('ZADD', P .. ':expiry', tonumber(expires), id)
@@ -260,6 +263,19 @@ elseif op == 'heal' then
     wrong = wrong + 1
   end
   return wrong
+elseif op == 'active' then
+  -- Live sessions per tier and tenant: tier, tenant, count, ... (counts above zero only).
+  local out = {}
+  local have = redis.call('HGETALL', P .. ':totals')
+  for i = 1, #have, 2 do
+    local tier, tenant = string.match(have[i], '^active:([^:]+):(.+)$')
+    if tier and tonumber(have[i + 1]) > 0 then
+      out[#out + 1] = tier
+      out[#out + 1] = tenant
+      out[#out + 1] = have[i + 1]
+    end
+  end
+  return out
 elseif op == 'reserved' then
   local sum = 0
   for _, t in ipairs(TIERS) do sum = sum + total('tier:' .. t) end

@@ -141,6 +141,20 @@
     $("windows").textContent = "windows: " + Object.entries(latest.windows)
       .map(([tier, w]) => `${tier} ${w.toFixed(2)}×`).join(" · ");
 
+    const total = (s, tier) => Object.values(s.sessions[tier] || {}).reduce((a, n) => a + n, 0);
+    const sessionRows = Object.keys(latest.sessions).map((tier) => {
+      const tenants = Object.entries(latest.sessions[tier]).sort((a, b) => b[1] - a[1])
+        .map(([tenant, n]) => `${tenant} ${n}`).join(" · ");
+      const tr = el("tr", { "data-tier": tier });
+      tr.appendChild(el("td", {}, tier));
+      tr.appendChild(el("td", { class: "num" }, String(total(latest, tier))));
+      tr.appendChild(el("td", { class: "small" }, tenants));
+      return tr;
+    });
+    $("session-rows").replaceChildren(...sessionRows);
+    spark($("sessions-spark"), Object.keys(latest.sessions).map((tier) => (
+      { points: series((s) => total(s, tier)), cls: tier })));
+
     const keys = new Map();
     for (const s of state.samples) for (const d of s.decisions) keys.set(`${d.decision}/${d.reason}`, d.decision);
     const since = latest.t - RATE_WINDOW_S;
