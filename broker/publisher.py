@@ -2,10 +2,10 @@
 attached.
 
 A publish whose acknowledgement does not come (a server slow under a burst, a connection being
-re-established) is sent again, up to ``PUBLISH_ATTEMPTS`` times and never past the call's
-deadline: the call id is the message id (``Nats-Msg-Id``), so the stream keeps one copy
-whichever of the attempts landed, and the caller gets the one sequence. Only then is it
-``broker_unavailable``.
+re-established, a stream electing a new leader on a cluster) is sent again for up to
+``PUBLISH_PATIENCE_S`` and never past the call's deadline: the call id is the message id
+(``Nats-Msg-Id``), so the stream keeps one copy whichever of the attempts landed, and the
+caller gets the one sequence. Only then is it ``broker_unavailable``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,15 @@ from schemas.wire import STREAM_NAME, WIRE_VERSION, CallEnvelope, Header, call_s
 # JetStream API error codes (server's `err_code`) that mean the stream is at its limits, or
 # the server's storage is (10023 "insufficient resources": its disk limit, or a full disk).
 _STREAM_FULL_CODES = frozenset({10077, 10047, 10028, 10023})
-PUBLISH_ATTEMPTS = 4
+PUBLISH_PATIENCE_S = 10.0
+"""How long a call is retried for. A stream on a NATS cluster whose leader's server dies has
+none for the seconds the survivors take to elect one (6.3-6.8 s measured on three servers,
+tests/test_chaos_cluster.py), and every publish meanwhile fails at once ("no response from
+stream"): bounded by a count of attempts (four, until 2026-12), an admitted call was refused
+``broker_unavailable`` in under two seconds; bounded by time, it rides the election out."""
 RETRY_BACKOFF_S = 0.25
-"""The wait before the second attempt; doubled before each next one."""
+"""The wait before the second attempt; doubled before each next one, up to ``MAX_BACKOFF_S``."""
+MAX_BACKOFF_S = 1.0
 
 
 def call_headers(
@@ -75,14 +81,17 @@ class CallPublisher:
         ttl_s = max(1, math.ceil(remaining_ms / 1000))
         headers = {**call_headers(call, reply_inbox, result_subject), **(trace_headers or {})}
         loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + remaining_ms / 1000
+        deadline_at = loop.time() + remaining_ms / 1000
+        give_up_at = min(deadline_at, loop.time() + PUBLISH_PATIENCE_S)
         backoff_s = RETRY_BACKOFF_S
-        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 ack = await self._js.publish(
                     call_subject(call.tier, call.model),
                     encode(call),
-                    timeout=max(0.001, min(self._timeout, give_up_at - loop.time())),
+                    timeout=max(0.001, min(self._timeout, deadline_at - loop.time())),
                     stream=STREAM_NAME,
                     headers=headers,
                     msg_ttl=ttl_s,
@@ -94,12 +103,11 @@ class CallPublisher:
                     ) from exc
                 raise BrokerUnavailable(f"JetStream refused the call: {exc.description}") from exc
             except (TimeoutError, NoStreamResponseError, nats.errors.Error) as exc:
-                if attempt == PUBLISH_ATTEMPTS or loop.time() + backoff_s >= give_up_at:
+                if loop.time() + backoff_s >= give_up_at:
                     raise BrokerUnavailable(
                         f"JetStream did not accept the call in {attempt} attempts: {exc!r}"
                     ) from exc
                 await asyncio.sleep(backoff_s)
-                backoff_s *= 2
+                backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
                 continue
             return int(ack.seq)
-        raise AssertionError("unreachable: the last attempt returns or raises")

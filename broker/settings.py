@@ -10,11 +10,12 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Self
+from typing import Annotated, Self
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from broker.natsconn import NatsClientSettings
 from schemas.vocab import Tier
 
 # kvgate's development NATS port. Not 4222, so that `kvgate nats` never collides with a NATS
@@ -47,7 +48,17 @@ class StreamSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVGATE_STREAM_", extra="ignore")
 
+    # Copies of every stream, consumer and the workers bucket on a NATS cluster: 1 for a single
+    # server (development), 3 in production (one server may be lost, or restarted for an
+    # upgrade, without losing a queued call or stopping the queue). Raised on a live R1 layout,
+    # the next start-up scales it in place (broker/streams.py); the cluster needs at least as
+    # many JetStream servers.
     replicas: int = Field(default=1, ge=1, le=5)
+    # Where the cluster places the streams: only on servers carrying every one of these tags
+    # (``server_tags`` in their configuration, such as ``az:eu-1a``), and in this cluster of a
+    # super-cluster. Empty: anywhere.
+    placement_tags: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    placement_cluster: str | None = None
     max_msgs: int = Field(default=100_000, ge=1)
     max_bytes: int = Field(default=1 << 30, ge=1 << 20)
     # Long enough for one in-progress heartbeat interval of the worker; workers refresh it
@@ -59,6 +70,14 @@ class StreamSettings(BaseSettings):
     # A worker's heartbeat entry expires this long after its last put, so a dead worker
     # leaves the fleet view on its own.
     worker_ttl_s: float = Field(default=10.0, ge=1.0)
+
+    @field_validator("placement_tags", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        """``KVGATE_STREAM_PLACEMENT_TAGS=az:eu-1a,ssd``, as operators write lists."""
+        if isinstance(value, str):
+            return [tag.strip() for tag in value.split(",") if tag.strip()]
+        return value
 
 
 class ApiSettings(BaseSettings):
@@ -182,6 +201,7 @@ class ApiSettings(BaseSettings):
     # Lines a results or output file download reads from the database at a time.
     batch_page_lines: int = Field(default=1000, ge=1)
     stream: StreamSettings = Field(default_factory=StreamSettings)
+    nats: NatsClientSettings = Field(default_factory=NatsClientSettings)
 
     @model_validator(mode="after")
     def _closed_unless_meant(self) -> Self:

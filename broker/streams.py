@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -51,8 +52,16 @@ def _work_queue(
         storage=js_api.StorageType.FILE,
         num_replicas=settings.replicas,
         duplicate_window=settings.duplicate_window_s,
+        placement=placement(settings),
         **extra,
     )
+
+
+def placement(settings: StreamSettings) -> js_api.Placement | None:
+    if not settings.placement_tags and settings.placement_cluster is None:
+        return None
+    tags = settings.placement_tags or None
+    return js_api.Placement(cluster=settings.placement_cluster, tags=tags)
 
 
 def _explicit_ack(
@@ -67,7 +76,9 @@ def _explicit_ack(
         ack_policy=js_api.AckPolicy.EXPLICIT,
         ack_wait=settings.ack_wait_s,
         max_ack_pending=settings.max_ack_pending,
-        num_replicas=settings.replicas,
+        # 0: as many as the stream, now and after the stream is scaled (a consumer may not
+        # have more, and the server scales one that follows its stream along with it).
+        num_replicas=0,
         **extra,
     )
 
@@ -142,14 +153,28 @@ async def provision_results(js: JetStreamContext, settings: StreamSettings) -> N
 
 
 async def workers_bucket(js: JetStreamContext, settings: StreamSettings) -> KeyValue:
+    """The heartbeats bucket, created if missing, and brought to the settings' replicas and
+    placement (heartbeats are rewritten every few seconds, so nothing is lost when the
+    servers move it); its TTL and history stay as whoever created it set them."""
     try:
-        return await js.key_value(WORKERS_BUCKET)
+        bucket = await js.key_value(WORKERS_BUCKET)
     except BucketNotFoundError:
-        return await js.create_key_value(
+        bucket = await js.create_key_value(
             bucket=WORKERS_BUCKET,
             description="kvgate worker heartbeats",
             history=1,
             ttl=settings.worker_ttl_s,
             storage=js_api.StorageType.MEMORY,
             replicas=settings.replicas,
+            # nats.py (2.16) leaves this out of the stream it creates: set below.
+            placement=placement(settings),
         )
+    stream = f"KV_{WORKERS_BUCKET}"
+    config = (await js.stream_info(stream)).config
+    wanted = placement(settings)
+    if config.num_replicas != settings.replicas or config.placement != wanted:
+        await js.update_stream(
+            dataclasses.replace(config, num_replicas=settings.replicas, placement=wanted)
+        )
+        log.info("workers bucket now on %d replicas", settings.replicas)
+    return bucket

@@ -194,8 +194,7 @@ def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
 def cmd_workers(args: argparse.Namespace) -> int:
     import time
 
-    import nats
-
+    from broker import natsconn
     from broker.fleet import read_fleet, workers_table
     from broker.settings import ApiSettings
     from broker.streams import workers_bucket
@@ -203,7 +202,9 @@ def cmd_workers(args: argparse.Namespace) -> int:
     settings = ApiSettings()
 
     async def show() -> int:
-        nc = await nats.connect(args.nats_url or settings.nats_url, connect_timeout=3)
+        nc = await natsconn.connect(
+            args.nats_url or settings.nats_url, settings.nats, connect_timeout=3
+        )
         try:
             kv = await workers_bucket(nc.jetstream(), settings.stream)
             view = await read_fleet(kv, settings.heartbeat_max_age_s)
@@ -227,15 +228,15 @@ def cmd_workers(args: argparse.Namespace) -> int:
 
 
 def cmd_lag(args: argparse.Namespace) -> int:
-    import nats
-
+    from broker import natsconn
     from broker.lag import fleet_lag, lag_table
     from broker.settings import ApiSettings
 
-    url = args.nats_url or ApiSettings().nats_url
+    settings = ApiSettings()
+    url = args.nats_url or settings.nats_url
 
     async def show() -> int:
-        nc = await nats.connect(url, connect_timeout=3)
+        nc = await natsconn.connect(url, settings.nats, connect_timeout=3)
         try:
             while True:
                 rows = await fleet_lag(nc.jetstream())

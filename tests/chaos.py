@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
+from broker import natsconn
 from broker.procs import Proc
 from schemas.vocab import ErrorCode
 from schemas.wire import RESULTS_STREAM, STREAM_NAME, WorkerHeartbeat
@@ -544,7 +544,7 @@ class RedisHoldings:
 
 
 async def jetstream_holdings(nats_url: str) -> dict[str, int]:
-    nc = await nats.connect(nats_url)
+    nc = await natsconn.connect(nats_url)
     try:
         js = nc.jetstream()
         calls = await js.stream_info(STREAM_NAME)
@@ -581,6 +581,8 @@ class Rest:
     nats_url: str
     fleet: FleetSampler
     redis_url: str | None = None
+    other_doors: tuple[str, ...] = ()
+    """Further front doors on the same NATS and Redis: their calls and ledgers count too."""
     gone_ended: tuple[int, int] = (0, 0)
     """Calls ended by workers that are gone (their counters no longer in any heartbeat), at
     least and at most: exact for a worker that drained and told its final counters; for a
@@ -591,9 +593,11 @@ class Rest:
         readings = await jetstream_holdings(self.nats_url)
         readings |= worker_holdings(self.fleet.workers())
         readings["gone_ended_min"], readings["gone_ended_max"] = self.gone_ended
-        door = await metrics(self.base_url)
-        readings["door_calls_open"] = int(door["kvgate_calls_open"])
-        readings["door_ledger_queued"] = int(door["kvgate_ledger_queued"])
+        readings["door_calls_open"] = readings["door_ledger_queued"] = 0
+        for base_url in (self.base_url, *self.other_doors):
+            door = await metrics(base_url)
+            readings["door_calls_open"] += int(door["kvgate_calls_open"])
+            readings["door_ledger_queued"] += int(door["kvgate_ledger_queued"])
         if self.redis_url is not None:
             async with redis_reader(self.redis_url) as holdings:
                 readings |= await holdings.read()
@@ -676,6 +680,30 @@ async def time_until_admitted(base_url: str, api_key: str, tier: str, *, timeout
             timeout_s=timeout_s,
             interval_s=0.1,
         )
+    return time.monotonic() - started
+
+
+async def readyz(base_url: str) -> int:
+    async with httpx.AsyncClient(base_url=base_url, timeout=5) as client:
+        try:
+            return (await client.get("/readyz")).status_code
+        except httpx.HTTPError:
+            return 0
+
+
+async def time_until_answered(load: MixedLoad, *, timeout_s: float) -> float:
+    """Seconds until a plain call is answered in full again."""
+    started = time.monotonic()
+    body = chat_body("are you back", CALL_TOKENS, model=MODEL)
+    async with load.client() as client:
+
+        async def call() -> httpx.Response:
+            try:
+                return await client.post("/v1/chat/completions", json=body)
+            except httpx.HTTPError:
+                return httpx.Response(599)
+
+        await poll_until(call, lambda r: r.status_code == 200, timeout_s=timeout_s, interval_s=0.2)
     return time.monotonic() - started
 
 

@@ -8,8 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import nats
-
+from broker import natsconn
 from broker.fleet import FleetView, FleetWatcher
 from broker.settings import StreamSettings
 from broker.streams import workers_bucket
@@ -78,7 +77,7 @@ class FleetSampler:
 async def sample_fleet(
     nats_url: str, *, workers: int = 1, timeout: float = 10.0
 ) -> AsyncIterator[FleetSampler]:
-    nc = await nats.connect(nats_url)
+    nc = await natsconn.connect(nats_url)
     js = nc.jetstream()
     watcher = FleetWatcher(lambda: workers_bucket(js, StreamSettings()), FleetView(max_age_s=3))
     await watcher.start()

@@ -20,24 +20,22 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import nats
 import pytest
 
 from broker.natsserver import EmbeddedNats
 from schemas.vocab import Tier
 from schemas.wire import STREAM_NAME, consumer_name
-from tests.calls import chat_body
 from tests.chaos import (
-    CALL_TOKENS,
     MODEL,
     ChaosStack,
     Kind,
-    MixedLoad,
     chaos_stack,
     check_answers,
     check_batch,
+    readyz,
     summary,
+    time_until_answered,
     wait_for_zero,
 )
 from tests.polling import poll_until
@@ -78,30 +76,6 @@ async def stack(
         KVGATE_STREAM_IDLE_TIMEOUT_S=str(IDLE_TIMEOUT_S),
     ) as stack:
         yield stack
-
-
-async def readyz(base_url: str) -> int:
-    async with httpx.AsyncClient(base_url=base_url, timeout=5) as client:
-        try:
-            return (await client.get("/readyz")).status_code
-        except httpx.HTTPError:
-            return 0
-
-
-async def time_until_answered(load: MixedLoad, *, timeout_s: float) -> float:
-    """Seconds until a plain call is answered in full again."""
-    started = time.monotonic()
-    body = chat_body("are you back", CALL_TOKENS, model=MODEL)
-    async with load.client() as client:
-
-        async def call() -> httpx.Response:
-            try:
-                return await client.post("/v1/chat/completions", json=body)
-            except httpx.HTTPError:
-                return httpx.Response(599)
-
-        await poll_until(call, lambda r: r.status_code == 200, timeout_s=timeout_s, interval_s=0.2)
-    return time.monotonic() - started
 
 
 async def pending(nats_url: str, tier: Tier) -> int:

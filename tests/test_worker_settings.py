@@ -33,7 +33,7 @@ def test_every_setting_has_a_flag_and_the_flags_land_in_their_groups() -> None:
     add_flags(parser)
     flags = {a.dest for a in parser._actions if a.dest != "help"}
     fields = (
-        set(WorkerSettings.model_fields) - {"engine", "headroom", "stream"}
+        set(WorkerSettings.model_fields) - {"engine", "headroom", "stream", "nats"}
         | set(EngineSettings.model_fields)
         | set(HeadroomSettings.model_fields)
     )

@@ -243,9 +243,14 @@ async def test_a_call_whose_front_door_is_gone_is_ended(harness: Harness) -> Non
 
     await poll_until(ended, lambda c: c == (2, 0), timeout_s=ORPHAN_BOUND_S, interval_s=0.05)
     assert worker.counters.completed == 0
-    # Terminated, not handed back: no other worker will run them for nobody either.
-    info = await harness.js.consumer_info(STREAM_NAME, consumer_name(Tier.STANDARD, MODEL))
-    assert (info.num_ack_pending, info.num_pending) == (0, 0)
+    # Terminated, not handed back: no other worker will run them for nobody either (the
+    # terms are confirmed by the server just after the counters move).
+
+    async def left() -> tuple[int, int]:
+        info = await harness.js.consumer_info(STREAM_NAME, consumer_name(Tier.STANDARD, MODEL))
+        return int(info.num_ack_pending or 0), int(info.num_pending or 0)
+
+    await poll_until(left, lambda held: held == (0, 0), timeout_s=EVENT_BOUND_S)
 
 
 async def test_calls_complete_with_one_terminal_event(harness: Harness) -> None:

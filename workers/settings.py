@@ -22,6 +22,7 @@ from pydantic import Field
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from broker.natsconn import NatsClientSettings
 from broker.settings import DEFAULT_NATS_PORT, StreamSettings
 from workers.headroom import HeadroomPolicy
 
@@ -176,6 +177,7 @@ class WorkerSettings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     headroom: HeadroomSettings = Field(default_factory=HeadroomSettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)
+    nats: NatsClientSettings = Field(default_factory=NatsClientSettings)
 
 
 # -- the command line, generated from the model ----------------------------------------------
@@ -186,8 +188,9 @@ class WorkerSettings(BaseSettings):
 # argparse: a flag takes a string, and a bad one gets the model's own error.
 
 _GROUPS: dict[str, type[BaseSettings]] = {"engine": EngineSettings, "headroom": HeadroomSettings}
-_NOT_FLAGS = frozenset({"stream"})
-"""The stream layout is the operator's, shared with the front door: KVGATE_STREAM_* only."""
+_NOT_FLAGS = frozenset({"stream", "nats"})
+"""The stream layout and the way into NATS are the operator's, shared with the front door:
+KVGATE_STREAM_* and KVGATE_NATS_* only."""
 
 
 def _flag_fields() -> Iterator[tuple[str | None, str, FieldInfo]]:

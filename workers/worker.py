@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import nats
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
+from broker import natsconn
 from broker.streams import provision_calls, provision_results, workers_bucket
 from schemas.vocab import TIERS_BY_PRIORITY, ErrorCode, Tier
 from schemas.wire import (
@@ -51,6 +51,7 @@ from schemas.wire import (
     decode_call,
     encode,
 )
+from workers.acks import Settle, settle
 from workers.core import WorkerCore
 from workers.engine import (
     Engine,
@@ -163,8 +164,9 @@ class Worker:
 
     async def run(self) -> None:
         """Serve until ``request_stop()`` (or a dead engine, which is re-raised)."""
-        self._nc = await nats.connect(
+        self._nc = await natsconn.connect(
             self.settings.nats_url,
+            self.settings.nats,
             name=f"kvgate-worker {self.settings.worker_id}",
             max_reconnect_attempts=-1,
         )
@@ -296,7 +298,7 @@ class Worker:
         attempt = int(msg.metadata.num_delivered or 1)
         if not inbox and not result_subject:
             log.error("call with neither %s nor %s; terminating it", Header.REPLY, Header.RESULT)
-            await msg.term()
+            await self._settle(msg, Settle.TERM)
             return
         # Answers go only where answers belong: a call naming another subject (a calls queue,
         # a cancel) would make this worker publish there (NATS's permissions refuse it too).
@@ -304,7 +306,7 @@ class Worker:
             result_subject and not result_subject.startswith(RESULT_SUBJECT_PREFIX)
         ):
             log.error("call whose answer goes to %r; terminating it", inbox or result_subject)
-            await msg.term()
+            await self._settle(msg, Settle.TERM)
             return
         try:
             envelope = decode_call(msg.data)
@@ -317,7 +319,7 @@ class Worker:
                 await ReplyRelay(self.nc, inbox, attempt, self.settings.worker_id).fail(
                     ErrorCode.INTERNAL_ERROR, f"malformed call message: {exc}"
                 )
-            await msg.term()
+            await self._settle(msg, Settle.TERM)
             return
         relay: Relay
         if result_subject:
@@ -338,7 +340,7 @@ class Worker:
             self.counters.cancelled += 1
             spans.refused("cancelled")
             await relay.fail(ErrorCode.CANCELLED, "the call was cancelled by its caller")
-            await msg.term()
+            await self._settle(msg, Settle.TERM)
             return
         if time.time() * 1000 >= envelope.deadline_ms:
             await self._deadline_passed(msg, relay, spans)
@@ -375,7 +377,7 @@ class Worker:
         except EngineRequestError as exc:
             spans.refused(exc.code.value)
             await relay.fail(exc.code, str(exc), exc.param)
-            await msg.term()
+            await self._settle(msg, Settle.TERM)
             return
         except EngineError as exc:
             spans.refused("engine_error")
@@ -391,7 +393,7 @@ class Worker:
                 self.counters.cancelled += 1
                 spans.refused("cancelled")
                 await relay.fail(ErrorCode.CANCELLED, "the call was cancelled by its caller")
-                await msg.term()
+                await self._settle(msg, Settle.TERM)
             else:
                 await msg.nak()
             return
@@ -435,7 +437,7 @@ class Worker:
                     f"the worker failed while preparing call {call_id}; its log has the cause",
                 )
             finally:  # the relay may be what fails: end the message all the same
-                await msg.term()
+                await self._settle(msg, Settle.TERM)
         except Exception as again:
             # Out of this worker's hands: the server delivers it again after the ack wait.
             log.error("call %s: could not end its message after the fault: %r", call_id, again)
@@ -446,7 +448,7 @@ class Worker:
         await relay.fail(
             ErrorCode.DEADLINE_EXCEEDED, "the call's deadline passed before it started"
         )
-        await msg.term()
+        await self._settle(msg, Settle.TERM)
 
     def _drop_expired_staged(self) -> None:
         for call_id in self._core.expire(time.time() * 1000):
@@ -514,15 +516,16 @@ class Worker:
                         spans.finished(output.finish_reason.value, usage)
             if not relay.finished:
                 raise EngineError("the engine ended the request without a finish reason")
-            await msg.ack()
+            # Counted before the ack's round trip: the caller has its answer already.
             self.counters.completed += 1
+            await self._settle(msg, Settle.ACK)
         except asyncio.CancelledError:
             spans.stopped(call.stop_reason or _StopReason.DRAIN)
             await self._stopped(call)
         except EngineRequestError as exc:
             spans.failed(exc)
             await relay.fail(exc.code, str(exc), exc.param)
-            await msg.term()
+            await self._settle(msg, Settle.TERM)
             self.counters.failed += 1
         except EngineDeadError as exc:
             # Hand the call back for another worker, then stop this one: nothing more can run.
@@ -535,13 +538,17 @@ class Worker:
             spans.failed(exc)
             await self._engine_failed(call.msg, call.relay, exc)
 
+    async def _settle(self, msg: Msg, how: Settle) -> None:
+        """Ack or term ``msg``, confirmed by the server (workers/acks.py)."""
+        await settle(self.nc, msg, how, bound_s=self.settings.stream.ack_wait_s)
+
     async def _stopped(self, call: _Call) -> None:
         if call.stop_reason == _StopReason.ABANDONED:
             return
         if call.stop_reason in (_StopReason.CANCELLED, _StopReason.CALLER_GONE):
             self.counters.cancelled += 1
             await call.relay.fail(ErrorCode.CANCELLED, "the call was cancelled by its caller")
-            await call.msg.term()
+            await self._settle(call.msg, Settle.TERM)
         else:
             # Drain past its grace: another worker takes the call over.
             self.counters.handed_back += 1
@@ -554,7 +561,7 @@ class Worker:
             await relay.fail(
                 ErrorCode.ENGINE_ERROR, f"engine failed on all {attempt} attempts: {exc}"
             )
-            await msg.term()
+            await self._settle(msg, Settle.TERM)
         else:
             log.warning("engine error on attempt %d, handing back: %s", attempt, exc)
             self.counters.handed_back += 1
@@ -571,7 +578,7 @@ class Worker:
         try:
             if call.relay.finished:
                 # The caller has its answer (the ack that follows it failed, say).
-                await call.msg.term()
+                await self._settle(call.msg, Settle.TERM)
             elif attempt < self.settings.stream.max_deliver:
                 await call.msg.nak(delay=self.settings.nak_delay_s)
             else:
@@ -580,7 +587,7 @@ class Worker:
                         ErrorCode.INTERNAL_ERROR, f"the worker failed on all {attempt} attempts"
                     )
                 finally:  # the relay may be what fails: end the message all the same
-                    await call.msg.term()
+                    await self._settle(call.msg, Settle.TERM)
         except Exception as again:
             # Out of this worker's hands: the server delivers it again after the ack wait.
             log.error("call %s: could not end its message after the fault: %r", call.call_id, again)
@@ -640,7 +647,7 @@ class Worker:
             staged.trace.refused(reason)
             self.counters.cancelled += 1
             await staged.relay.fail(ErrorCode.CANCELLED, "the call was cancelled by its caller")
-            await staged.msg.term()
+            await self._settle(staged.msg, Settle.TERM)
             self._changed.set()
             return
         running = self._calls.get(call_id) if self._core.is_running(call_id) else None
