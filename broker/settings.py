@@ -66,6 +66,11 @@ class StreamSettings(BaseSettings):
     ack_wait_s: float = Field(default=30.0, gt=0)
     max_deliver: int = Field(default=3, ge=1)
     max_ack_pending: int = Field(default=10_000, ge=1)
+    # Pull requests a tier's consumer holds waiting at once, from every worker serving its model
+    # (each keeps one or a few open per tier). The server's default, 512, refused the pulls of a
+    # fleet past ~400 workers of one model (docs/scale.md). Set when the consumer is made: the
+    # server will not change it on an existing one (broker/streams.py).
+    max_waiting_pulls: int = Field(default=4096, ge=1)
     duplicate_window_s: float = Field(default=120.0, gt=0)
     # A worker's heartbeat entry expires this long after its last put, so a dead worker
     # leaves the fleet view on its own.

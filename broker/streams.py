@@ -21,7 +21,7 @@ from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js import api as js_api
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from broker.settings import StreamSettings
@@ -103,6 +103,7 @@ def consumer_config(tier: Tier, model: str, settings: StreamSettings) -> js_api.
         f"kvgate workers serving {model}, tier {tier.value}",
         filter_subject=call_subject(tier, model),
         max_deliver=settings.max_deliver,
+        max_waiting=settings.max_waiting_pulls,
     )
 
 
@@ -125,9 +126,29 @@ async def provision_calls(
     if model is None:
         return
     for tier in TIERS_BY_PRIORITY:
+        config = consumer_config(tier, model, settings)
         # Creating a durable with the same name acts as create-or-update on the server.
-        await js.add_consumer(STREAM_NAME, consumer_config(tier, model, settings))
+        try:
+            await js.add_consumer(STREAM_NAME, config)
+        except APIError as exc:
+            if exc.err_code != _MAX_WAITING_FIXED:
+                raise
+            kept = (await js.consumer_info(STREAM_NAME, str(config.durable_name))).config
+            log.warning(
+                "consumer %s keeps max_waiting %s (the server does not change it in place, "
+                "asked %d): to apply it, stop this model's workers, delete its tier consumers "
+                "and start the workers again (docs/scale.md)",
+                config.durable_name,
+                kept.max_waiting,
+                settings.max_waiting_pulls,
+            )
+            await js.add_consumer(
+                STREAM_NAME, dataclasses.replace(config, max_waiting=kept.max_waiting)
+            )
 
+
+_MAX_WAITING_FIXED = 10012
+"""The server's ``err_code`` for "max waiting can not be updated" (nats-server 2.15)."""
 
 COLLECTOR = "kvgate-collector"
 

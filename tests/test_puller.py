@@ -13,6 +13,7 @@ from broker.settings import StreamSettings
 from broker.streams import provision_calls
 from schemas.vocab import Tier
 from tests.calls import MODEL, make_call
+from tests.polling import poll_until
 from workers.puller import TierPuller
 
 
@@ -79,3 +80,58 @@ async def test_backlog_is_read_from_the_delivered_message(nc: NATS) -> None:
     assert len(got) == 1
     assert puller.backlog == 4
     await puller.stop()
+
+
+async def test_a_tier_refused_for_max_waiting_asks_again_only_after_a_back_off(nc: NATS) -> None:
+    """A fleet larger than the consumer's ``max_waiting``: a refused worker asked again the
+    moment it heard of the refusal, thousands of times a second across a fleet."""
+    js = nc.jetstream()
+    await provision_calls(js, StreamSettings(max_waiting_pulls=1), MODEL)
+    sent: list[Msg] = []
+    next_subject = "$JS.API.CONSUMER.MSG.NEXT.>"
+
+    async def count(msg: Msg) -> None:
+        sent.append(msg)
+
+    counter = await nc.subscribe(next_subject, cb=count)
+    first = TierPuller(nc, Tier.STANDARD, MODEL, lambda t, m: None, lambda: None, expires_s=30)
+    await first.start()
+    await first.request(1)
+    await nc.flush()
+
+    got: list[Msg] = []
+    changed = asyncio.Event()
+    second = TierPuller(
+        nc, Tier.STANDARD, MODEL, lambda t, m: got.append(m), changed.set, expires_s=30
+    )
+    await second.start()
+
+    async def intake() -> None:
+        # As the worker's intake loop does: whenever told of a change, open what is missing.
+        while True:
+            if second.outstanding == 0:
+                await second.request(1)
+            await changed.wait()
+            changed.clear()
+
+    loop_task = asyncio.create_task(intake())
+    try:
+        await asyncio.sleep(2.0)
+        assert second.refused >= 1
+        # The first request and the second's: one at once, then one per back-off (0.25-0.75 s,
+        # then 0.5-1.5 s, ...). Asked again at once, it was hundreds in these 2 s.
+        assert len(sent) <= 6, len(sent)
+        # Once there is room, the refused tier gets its credit back by itself.
+        await first.stop()
+        await asyncio.sleep(0)
+        call = make_call("after-room")
+        await CallPublisher(js).publish(call, "_INBOX.x", now_ms=call.created_ms)
+
+        async def delivered() -> int:
+            return len(got)
+
+        await poll_until(delivered, lambda n: n == 1, timeout_s=30)
+    finally:
+        loop_task.cancel()
+        await counter.unsubscribe()
+        await second.stop()
