@@ -37,11 +37,16 @@ class FleetView:
         # The fastest of each worker's readings, kept here because every admission decision
         # reads it and heartbeats arrive far less often than decisions.
         self._fastest: dict[str, float] = {}
+        self.members = 0
+        """Counts changes to who is in the view and what it serves: a worker added or removed,
+        a model or a draining flag changed. A heartbeat that only refreshes a reading leaves it
+        as it is (``FleetSignals`` reuses its readings while it stands)."""
 
     def update(self, key: str, value: bytes | None) -> None:
         """Apply one bucket entry; ``None`` (a delete) removes the worker."""
         if value is None:
-            self._workers.pop(key, None)
+            if self._workers.pop(key, None) is not None:
+                self.members += 1
             self._speeds.pop(key, None)
             self._fastest.pop(key, None)
             return
@@ -53,6 +58,12 @@ class FleetView:
         previous = self._workers.get(key)
         if previous is not None and heartbeat.sent_ms > previous.sent_ms:
             self._measure_speed(key, previous, heartbeat)
+        if (
+            previous is None
+            or previous.draining != heartbeat.draining
+            or previous.model != heartbeat.model
+        ):
+            self.members += 1
         self._workers[key] = heartbeat
 
     def _measure_speed(self, key: str, before: WorkerHeartbeat, now: WorkerHeartbeat) -> None:
