@@ -9,6 +9,7 @@ server writes, so there is no window in which another process can take it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import socket
@@ -17,10 +18,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
+import nats.errors
+from nats.js.errors import APIError, ServiceUnavailableError
+
+from broker import natsconn
 from broker.errors import InternalError
 from broker.natsauth import NatsRole, NatsUsers
-from broker.procs import Proc
+from broker.procs import Proc, free_port
 
 
 class NatsServerError(InternalError):
@@ -191,6 +197,84 @@ class EmbeddedNats:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+class LocalCluster:
+    """Servers of one JetStream cluster on this machine's loopback, routed to each other, each
+    with a store of its own under ``root``: the tests' cluster (``tests/natscluster.py``, which
+    kills and restarts them) and the scale rehearsal's (``loadtests/rehearsal.py``)."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        size: int = 3,
+        name: str = "kvgate-local",
+        tags: dict[int, tuple[str, ...]] | None = None,
+        users: NatsUsers | None = None,
+    ) -> None:
+        """``tags``: server tags by server index (for stream placement)."""
+        route_ports = [free_port() for _ in range(size)]
+        self.users = users
+        self.nodes: list[EmbeddedNats] = []
+        for i, port in enumerate(route_ports):
+            member = ClusterMember(
+                server_name=f"n{i}",
+                cluster_name=name,
+                route_port=port,
+                routes=tuple(
+                    f"nats-route://127.0.0.1:{other}" for other in route_ports if other != port
+                ),
+                tags=(tags or {}).get(i, ()),
+            )
+            self.nodes.append(
+                EmbeddedNats(
+                    root / f"n{i}", log_file=root / f"n{i}.log", users=users, cluster=member
+                )
+            )
+
+    def start(self) -> Self:
+        for node in self.nodes:
+            node.start()
+            # Started again on the same port, so that the clients' server lists stay true.
+            node.requested_port = node.port or 0
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    @property
+    def url(self) -> str:
+        """Every server, comma-separated, as an operator gives ``KVGATE_NATS_URL``."""
+        return ",".join(f"nats://127.0.0.1:{node.requested_port}" for node in self.nodes)
+
+    def url_for(self, role: NatsRole) -> str:
+        if self.users is None:
+            return self.url
+        return ",".join(self.users.url(node_url, role) for node_url in self.url.split(","))
+
+    @property
+    def pids(self) -> list[int]:
+        return [node.pid for node in self.nodes if node.pid is not None]
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Until JetStream answers through the cluster: its meta leader is elected (a few
+        seconds after a start)."""
+        nc = await natsconn.connect(self.url_for(NatsRole.FRONT_DOOR), max_reconnect_attempts=-1)
+        try:
+            js = nc.jetstream(timeout=2)
+            give_up = time.monotonic() + timeout_s
+            while True:
+                try:
+                    await js.account_info()
+                    return
+                except (APIError, ServiceUnavailableError, nats.errors.TimeoutError):
+                    if time.monotonic() > give_up:
+                        raise
+                    await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
 
 
 def _jetstream_ready(host: str, port: int) -> bool:

@@ -15,9 +15,8 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import APIError, ServiceUnavailableError
 
 from broker import natsconn
-from broker.natsauth import NatsRole, NatsUsers
-from broker.natsserver import ClusterMember, EmbeddedNats
-from broker.procs import free_port
+from broker.natsauth import NatsRole
+from broker.natsserver import LocalCluster
 from tests.polling import poll_until
 
 CLUSTER_NAME = "kvgate-test"
@@ -26,55 +25,9 @@ READY_BOUND_S = 60.0
 loaded 2-core machine, three servers and their elections, is given more)."""
 
 
-class NatsCluster:
-    def __init__(
-        self,
-        root: Path,
-        *,
-        size: int = 3,
-        tags: dict[int, tuple[str, ...]] | None = None,
-        users: NatsUsers | None = None,
-    ) -> None:
-        """``tags``: server tags by server index (for stream placement)."""
-        route_ports = [free_port() for _ in range(size)]
-        self.users = users
-        self.nodes: list[EmbeddedNats] = []
-        for i, port in enumerate(route_ports):
-            member = ClusterMember(
-                server_name=f"n{i}",
-                cluster_name=CLUSTER_NAME,
-                route_port=port,
-                routes=tuple(
-                    f"nats-route://127.0.0.1:{other}" for other in route_ports if other != port
-                ),
-                tags=(tags or {}).get(i, ()),
-            )
-            self.nodes.append(
-                EmbeddedNats(
-                    root / f"n{i}", log_file=root / f"n{i}.log", users=users, cluster=member
-                )
-            )
-
-    def start(self) -> NatsCluster:
-        for node in self.nodes:
-            node.start()
-            # Started again on the same port, so that the clients' server lists stay true.
-            node.requested_port = node.port or 0
-        return self
-
-    def stop(self) -> None:
-        for node in self.nodes:
-            node.stop()
-
-    @property
-    def url(self) -> str:
-        """Every server, comma-separated, as an operator gives ``KVGATE_NATS_URL``."""
-        return ",".join(f"nats://127.0.0.1:{node.requested_port}" for node in self.nodes)
-
-    def url_for(self, role: NatsRole) -> str:
-        if self.users is None:
-            return self.url
-        return ",".join(self.users.url(node_url, role) for node_url in self.url.split(","))
+class NatsCluster(LocalCluster):
+    """``LocalCluster`` with what the tests do to it: kill a server, start it again, find
+    who leads a stream."""
 
     def index(self, server_name: str) -> int:
         return int(server_name.removeprefix("n"))
@@ -105,20 +58,6 @@ class NatsCluster:
         finally:
             await nc.close()
 
-    async def wait_ready(self, timeout_s: float = READY_BOUND_S) -> None:
-        """Until JetStream answers through the cluster: its meta leader is elected."""
-        async with self.client() as nc:
-            js = nc.jetstream(timeout=2)
-
-            async def ask() -> bool:
-                try:
-                    await js.account_info()
-                except (APIError, ServiceUnavailableError, nats.errors.TimeoutError):
-                    return False
-                return True
-
-            await poll_until(ask, bool, timeout_s=timeout_s, interval_s=0.2)
-
     async def leader(self, stream: str) -> int:
         """The index of the server leading ``stream`` now (waits while it elects one)."""
         async with self.client() as nc:
@@ -138,8 +77,9 @@ class NatsCluster:
 
 @contextlib.contextmanager
 def nats_cluster(root: Path, **options: object) -> Iterator[NatsCluster]:
-    cluster = NatsCluster(root, **options)  # type: ignore[arg-type]
+    cluster = NatsCluster(root, name=CLUSTER_NAME, **options)  # type: ignore[arg-type]
     try:
-        yield cluster.start()
+        cluster.start()
+        yield cluster
     finally:
         cluster.stop()
