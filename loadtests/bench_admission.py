@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -52,6 +52,9 @@ from broker.admission.tenants import DEFAULT_TIERS, Tenant
 from kvgate.cli import COMMAND
 from loadtests import stats
 from schemas.vocab import Tier
+
+if TYPE_CHECKING:
+    from broker.procs import Proc
 
 
 def cpu_ticks() -> tuple[int, int] | None:
@@ -132,33 +135,40 @@ def bench_policy(decisions: int) -> dict[str, Any]:
     }
 
 
+def start_api(root: Path, name: str, nats_url: str, env: dict[str, str]) -> tuple[Proc, str, Path]:
+    """Start ``kvgate api`` (real uvicorn, warnings only in its log ``root/<name>.log``) on a
+    free port with a SQLite ledger of its own, ``root/<name>-ledger.db``; ``env`` adds to its
+    environment (``KVGATE_REDIS_URL``...). Returns at once, with its base URL and its ledger:
+    the caller waits for ``/healthz``."""
+    from broker.procs import Proc, free_port
+
+    ledger = root / f"{name}-ledger.db"
+    port = free_port()
+    api = Proc(
+        name,
+        [*COMMAND, "--log-level", "WARNING", "api", "--port", str(port)],
+        {"KVGATE_NATS_URL": nats_url, "KVGATE_DATABASE_URL": f"sqlite:///{ledger}", **env},
+        root,
+    )
+    return api, f"http://127.0.0.1:{port}", ledger
+
+
 @contextlib.asynccontextmanager
 async def front_door(root: Path, redis_url: str, prefix: str) -> AsyncIterator[tuple[str, Path]]:
     import nats
 
     from broker.natsserver import EmbeddedNats
-    from broker.procs import Proc, free_port, wait_http
+    from broker.procs import wait_http
     from loadtests.heartbeats import keep_beating
     from schemas.wire import WORKERS_BUCKET
 
     server = EmbeddedNats(root / "nats", log_file=root / "nats.log").start()
-    ledger = root / "ledger.db"
-    port = free_port()
-    api = Proc(
-        "api",
-        [*COMMAND, "--log-level", "WARNING", "api", "--port", str(port)],
-        {
-            "KVGATE_NATS_URL": server.url,
-            "KVGATE_REDIS_URL": redis_url,
-            "KVGATE_REDIS_PREFIX": prefix,
-            "KVGATE_DATABASE_URL": f"sqlite:///{ledger}",
-        },
-        root,
+    api, base, ledger = start_api(
+        root, "api", server.url, {"KVGATE_REDIS_URL": redis_url, "KVGATE_REDIS_PREFIX": prefix}
     )
     nc = await nats.connect(server.url)
     beat_task: asyncio.Task[None] | None = None
     try:
-        base = f"http://127.0.0.1:{port}"
         await asyncio.to_thread(wait_http, base + "/healthz", api, timeout=60)
         kv = await nc.jetstream().key_value(WORKERS_BUCKET)
 
@@ -251,13 +261,20 @@ async def closed_loop(base: str, concurrency: int, seconds: float) -> dict[str, 
     }
 
 
-def server_side(ledger: Path, since_id: int) -> tuple[dict[str, Any], int]:
+def ledger_rows(ledger: Path, since_id: int) -> tuple[list[tuple[float, str]], int]:
+    """The decision time (us) and the decision (admit, defer, reject) of every ledger row
+    after ``since_id``, and the last row's id (``since_id`` where there is none)."""
     with sqlite3.connect(ledger) as conn:
         rows = conn.execute(
-            "SELECT id, latency_us FROM admission_decisions WHERE id > ?", (since_id,)
+            "SELECT id, latency_us, decision FROM admission_decisions WHERE id > ?", (since_id,)
         ).fetchall()
-    values = [float(r[1]) for r in rows]
     last = max((r[0] for r in rows), default=since_id)
+    return [(float(r[1]), str(r[2])) for r in rows], last
+
+
+def server_side(ledger: Path, since_id: int) -> tuple[dict[str, Any], int]:
+    rows, last = ledger_rows(ledger, since_id)
+    values = [latency for latency, _ in rows]
     if not values:
         return {"decisions": 0}, last
     cuts = stats.summary(values, (50, 99), ndigits=0)
