@@ -87,6 +87,9 @@ async def stack(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Clus
         "KVGATE_STREAM_REPLICAS": "3",
         "KVGATE_DEFAULT_DEADLINE_S": "30",
         "KVGATE_STREAM_IDLE_TIMEOUT_S": "10",
+        # As deploy/k8s's production overlay sets it on a cluster: above the time the
+        # heartbeat bucket takes to elect a leader (~6 s), during which no heartbeat lands.
+        "KVGATE_HEARTBEAT_MAX_AGE_S": "12",
     }
     with (
         nats_cluster(tmp_path / "nats", users=users) as cluster,
