@@ -34,9 +34,12 @@ def count_pulls(counts: Counter[str]) -> None:
     request, receive = TierPuller.request, TierPuller._receive
 
     async def counted_request(self: TierPuller, n: int) -> None:
-        counts["pull_requests"] += 1
-        counts["pull_credit"] += n
+        before = self.outstanding
         await request(self, n)
+        # Counted only if sent: a tier held back after a MaxWaiting refusal sends nothing.
+        if self.outstanding > before:
+            counts["pull_requests"] += 1
+            counts["pull_credit"] += n
 
     async def counted_receive(self: TierPuller, msg: Any) -> None:
         headers = msg.headers or {}
