@@ -44,7 +44,7 @@ from broker.natsserver import EmbeddedNats
 from broker.procs import Proc, free_port, wait_http
 from kvgate.cli import COMMAND
 from loadtests import stats
-from loadtests.bench_admission import SESSION
+from loadtests.bench_admission import SESSION, paced
 from loadtests.heartbeats import keep_beating
 from schemas.wire import WORKERS_BUCKET
 
@@ -84,14 +84,7 @@ async def open_loop(
             statuses[resp.status] = statuses.get(resp.status, 0) + 1
             admitted += resp.status == 201
 
-        tasks: list[asyncio.Task[None]] = []
-        t0 = time.perf_counter()
-        for i in range(int(rate * seconds)):
-            delay = t0 + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one()))
-        await asyncio.gather(*tasks)
+        await paced(rate, int(rate * seconds), one)
     return admitted
 
 

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -153,6 +153,22 @@ def start_api(root: Path, name: str, nats_url: str, env: dict[str, str]) -> tupl
     return api, f"http://127.0.0.1:{port}", ledger
 
 
+async def paced(rate: float, total: int, one: Callable[[], Coroutine[Any, Any, None]]) -> float:
+    """Start ``total`` runs of ``one`` at ``rate`` a second, whatever their latency (open
+    loop), then wait for all of them; the seconds the offering took (the answers may take
+    longer)."""
+    tasks: list[asyncio.Task[None]] = []
+    t0 = time.perf_counter()
+    for i in range(total):
+        delay = t0 + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one()))
+    offered_s = time.perf_counter() - t0
+    await asyncio.gather(*tasks)
+    return offered_s
+
+
 @contextlib.asynccontextmanager
 async def front_door(root: Path, redis_url: str, prefix: str) -> AsyncIterator[tuple[str, Path]]:
     import nats
@@ -209,16 +225,9 @@ async def open_loop(base: str, rate: float, seconds: float) -> dict[str, Any]:
             latencies.append((time.perf_counter() - started) * 1000)
             statuses[resp.status] = statuses.get(resp.status, 0) + 1
 
-        tasks: list[asyncio.Task[None]] = []
         total = int(rate * seconds)
         t0 = time.perf_counter()
-        for i in range(total):
-            delay = t0 + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one()))
-        offered_s = time.perf_counter() - t0
-        await asyncio.gather(*tasks)
+        offered_s = await paced(rate, total, one)
         elapsed = time.perf_counter() - t0
     cuts = stats.summary(latencies, (50, 99), ndigits=2)
     return {

@@ -69,6 +69,7 @@ from nats.aio.client import Client as NATS
 from broker.natsserver import find_binary
 from loadtests import rehearsal_report as report
 from loadtests import stats
+from loadtests.bench_admission import paced
 from loadtests.rehearsal_stack import (
     ADMIN_TOKEN,
     MODEL,
@@ -128,14 +129,7 @@ async def open_loop(door: Door, rate: float, seconds: float) -> dict[str, Any]:
             latencies.append((time.perf_counter() - started) * 1000)
             statuses[resp.status] += 1
 
-        tasks: list[asyncio.Task[None]] = []
-        t0 = time.perf_counter()
-        for i in range(int(rate * seconds)):
-            delay = t0 + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one()))
-        await asyncio.gather(*tasks)
+        await paced(rate, int(rate * seconds), one)
     cuts = stats.summary(latencies, (50, 99), ndigits=2)
     return {
         "sessions": len(latencies),
