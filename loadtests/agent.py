@@ -84,6 +84,10 @@ class CallOutcome:
     retries: int = 0
     http_status: int | None = None
     code: str | None = None
+    queue_wait_s: float | None = None
+    """kvgate only: how long the answering attempt waited between its publish and its engine
+    start (``X-Kvgate-Queue-Wait-Ms``); the rest of ``ttft_s`` is the front door, the engine
+    and the relay."""
 
 
 @dataclass
@@ -343,6 +347,9 @@ class Agent:
                     raise Refused(resp.status, code, retry_after)
                 raise CallFailed(resp.status, code)
             out.http_status = 200
+            queue_wait_ms = resp.headers.get("X-Kvgate-Queue-Wait-Ms")
+            if queue_wait_ms is not None:
+                out.queue_wait_s = int(queue_wait_ms) / 1000
             first_token: float | None = None
             last_token: float | None = None
             chunks = 0

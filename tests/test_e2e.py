@@ -129,6 +129,7 @@ async def test_non_streamed_completion_over_http(stack: Stack) -> None:
     assert usage["total_tokens"] == usage["prompt_tokens"] + 9
     assert resp.headers["x-kvgate-call"]
     assert resp.headers["x-kvgate-worker"] == "w1"  # the worker that answered
+    assert int(resp.headers["x-kvgate-queue-wait-ms"]) >= 0  # how long it queued before the engine
 
 
 async def test_streamed_completion_over_http(stack: Stack) -> None:
@@ -138,6 +139,7 @@ async def test_streamed_completion_over_http(stack: Stack) -> None:
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/event-stream")
     assert resp.headers["x-kvgate-worker"] == "w1"
+    assert int(resp.headers["x-kvgate-queue-wait-ms"]) >= 0
     events = sse_events(resp.content)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]

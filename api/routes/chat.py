@@ -80,6 +80,10 @@ CALL_ID_HEADER = "X-Kvgate-Call"
 SESSION_ID_HEADER = "X-Kvgate-Session"
 WORKER_ID_HEADER = "X-Kvgate-Worker"
 """The worker whose attempt answered (streamed: the one that sent the first token)."""
+QUEUE_WAIT_HEADER = "X-Kvgate-Queue-Wait-Ms"
+"""How long the answering attempt waited, from its publish to its engine start, as its worker
+measured it: what of a call's time to first token went to queues (JetStream, the worker's
+staging) rather than to the engine."""
 
 
 _NOT_A_CALLS_ERROR = {
@@ -116,6 +120,11 @@ def _call_responses(body: type[BaseModel], events: str) -> Responses:
             WORKER_ID_HEADER: {
                 "description": "The worker whose attempt answered.",
                 "schema": {"type": "string"},
+            },
+            QUEUE_WAIT_HEADER: {
+                "description": "Milliseconds the answering attempt waited between its publish "
+                "and its engine start (JetStream and the worker's staging).",
+                "schema": {"type": "integer"},
             },
         },
     }
@@ -208,9 +217,8 @@ async def _serve_call(
     headers = {CALL_ID_HEADER: call.call_id, SESSION_ID_HEADER: record.id}
     if not call.stream:
         async with contextlib.aclosing(events):
-            answer, worker_id = await _unless_disconnected(request, _collect(events))
-        if worker_id is not None:
-            headers[WORKER_ID_HEADER] = worker_id
+            answer, answered_by = await _unless_disconnected(request, _collect(events))
+        headers.update(answered_by)
         return Response(answer, media_type="application/json", headers=headers)
     # Wait for the first event before answering, so that anything that goes wrong before the
     # first token (deadline, full queue, a rejected prompt) is a proper HTTP status.
@@ -222,8 +230,8 @@ async def _serve_call(
     if isinstance(first, list) and first and isinstance(first[0], Failed):
         await events.aclose()
         raise failure_error(first[0])
-    if isinstance(first, list) and (worker_id := _worker_of(first)) is not None:
-        headers[WORKER_ID_HEADER] = worker_id
+    if isinstance(first, list):
+        headers.update(_answered_by(first))
     return SseResponse(
         _sse(first, events, call.endpoint),
         send_timeout_s=settings.stream_send_timeout_s,
@@ -290,27 +298,35 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def _worker_of(events: list[ReplyEvent]) -> str | None:
+def _answered_by(events: list[ReplyEvent]) -> dict[str, str]:
+    """The headers that say which worker's attempt answered and how long it queued, from
+    that attempt's events (the first of them carries both)."""
+    headers: dict[str, str] = {}
     for event in events:
         if isinstance(event, TokenDelta | Done) and event.worker_id:
-            return event.worker_id
-    return None
+            headers.setdefault(WORKER_ID_HEADER, event.worker_id)
+        if isinstance(event, TokenDelta) and event.queue_wait_ms is not None:
+            headers.setdefault(QUEUE_WAIT_HEADER, str(event.queue_wait_ms))
+    return headers
 
 
 async def _collect(
     events: AsyncIterator[list[ReplyEvent] | Restarted],
-) -> tuple[bytes, str | None]:
-    """vLLM's whole response body, and the worker whose attempt gave it."""
+) -> tuple[bytes, dict[str, str]]:
+    """vLLM's whole response body, and the headers naming the attempt that gave it."""
+    answered_by: dict[str, str] = {}
     async for item in events:
         if isinstance(item, Restarted):
-            continue  # nothing was sent yet: the new attempt's answer replaces the lost one
+            answered_by = {}  # nothing was sent yet: the new attempt's answer replaces the lost one
+            continue
+        answered_by = {**_answered_by(item), **answered_by}
         for event in item:
             if isinstance(event, Failed):
                 raise failure_error(event)
             if isinstance(event, Done):
                 if event.body is None:
                     raise InternalError("the worker sent no body")
-                return event.body, event.worker_id
+                return event.body, answered_by
     raise WorkerLost("the reply ended without a terminal event")
 
 
