@@ -106,6 +106,10 @@ class CallEnvelope(msgspec.Struct, frozen=True):
     session_started_ms: int = 0
     """When admission said yes to the call's session (unix ms); 0 when unknown, read as the
     call's own ``created_ms``. Orders calls of one tier: an older session's first."""
+    ttft_objective_ms: int | None = None
+    """The time-to-first-token objective of the call's tier (its tenant's where the tenants
+    file overrides it); ``None`` for work with none (batches). A worker may start a call that
+    waited for room past its usual mark before the call misses it (``workers.headroom``)."""
     version: int = WIRE_VERSION
 
 
@@ -189,6 +193,9 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True):
     deadline_dropped: int = 0
     cancelled: int = 0
     handed_back: int = 0
+    rescued: int = 0
+    """Calls started by the rescue rule (``workers.headroom``): due by their time-to-first-token
+    objective, past a call that did not fit or past the mark."""
     failed: int = 0
     """Calls that ended with an error their caller saw: a request the serving layer refused, or
     the engine failing on the call's last attempt."""

@@ -61,7 +61,7 @@ def staged(key: str, tier: Tier, cost: int, arrived: float = 0.0) -> StagedCall:
 def test_starts_highest_tier_first_and_never_past_the_room() -> None:
     calls = [staged("b1", B, 300, 0), staged("g1", G, 300, 1), staged("s1", S, 300, 2)]
     chosen = select_starts(calls, Headroom(700, 16), engine_idle=False, now_s=3, policy=POLICY)
-    assert [c.key for c in chosen] == ["g1", "s1"]
+    assert [c.key for c, _ in chosen] == ["g1", "s1"]
 
 
 def test_a_call_that_does_not_fit_is_not_jumped_by_smaller_lower_tier_calls() -> None:
@@ -73,19 +73,19 @@ def test_a_call_that_does_not_fit_is_not_jumped_by_smaller_lower_tier_calls() ->
 def test_an_oversized_call_runs_alone_on_an_idle_engine() -> None:
     calls = [staged("huge", S, 5000), staged("next", S, 32, 1)]
     chosen = select_starts(calls, Headroom(1800, 16), engine_idle=True, now_s=2, policy=POLICY)
-    assert [c.key for c in chosen] == ["huge"]
+    assert [c.key for c, _ in chosen] == ["huge"]
 
 
 def test_a_starved_lower_tier_call_goes_first() -> None:
     calls = [staged("g1", G, 300, 20), staged("b-old", B, 300, 0)]
     chosen = select_starts(calls, Headroom(300, 16), engine_idle=False, now_s=21, policy=POLICY)
-    assert [c.key for c in chosen] == ["b-old"]
+    assert [c.key for c, _ in chosen] == ["b-old"]
 
 
 def test_sequence_slots_bound_the_starts() -> None:
     calls = [staged(f"c{i}", S, 32, i) for i in range(5)]
     chosen = select_starts(calls, Headroom(10_000, 2), engine_idle=False, now_s=9, policy=POLICY)
-    assert [c.key for c in chosen] == ["c0", "c1"]
+    assert [c.key for c, _ in chosen] == ["c0", "c1"]
 
 
 def test_fetchable_calls_accounts_for_staged_calls() -> None:
@@ -155,7 +155,7 @@ def test_the_guaranteed_reserve_sits_above_the_high_water_mark() -> None:
     assert select_starts(calls, room, engine_idle=False, now_s=1, policy=policy) == []
     calls = [staged("g", G, 800, 0), staged("s", S, 400, 0)]
     chosen = select_starts(calls, room, engine_idle=False, now_s=1, policy=policy)
-    assert [c.key for c in chosen] == ["g"]
+    assert [c.key for c, _ in chosen] == ["g"]
 
 
 def test_predicted_peak_is_what_a_step_by_step_run_holds_at_most() -> None:
@@ -197,7 +197,7 @@ def test_a_call_starts_when_it_adds_little_to_the_running_peak() -> None:
     room = Headroom(tokens=220, seqs=16)  # a budget of 700, 480 committed
     # Together they peak at 64 + 448 + 2 x 32 = 576: the call adds 96, not its 512.
     chosen = select_starts([call], room, engine_idle=False, now_s=1, policy=POLICY, running=running)
-    assert chosen == [call]
+    assert chosen == [(call, False)]
     # Counted as held from the start (its worst case at once), it would not fit.
     held_at_once = StagedCall("s1", S, cost=512, arrived_s=0)
     assert not select_starts(
@@ -233,3 +233,34 @@ def test_the_mark_after_a_preemption_falls_to_the_fallback_and_climbs_back_linea
     assert high_water_after_preemption(policy, 99.0) == pytest.approx(1.2)
     safe = HeadroomPolicy(high_water=0.7, fallback_high_water=0.8)
     assert high_water_after_preemption(safe, 0.0) == 0.7  # a mark under the fallback stays
+
+
+def test_a_call_due_for_rescue_starts_past_the_mark_within_the_allowance() -> None:
+    room = Headroom(tokens=100, seqs=16, rescue_tokens=300)
+    waiting = StagedCall("s", S, 320, arrived_s=0, due_s=5.0)
+    # Before it is due, it waits for room like any call.
+    assert select_starts([waiting], room, engine_idle=False, now_s=4.9, policy=POLICY) == []
+    # Due (it waited its share of its first-token objective): 320 fits in 100 + 300.
+    chosen = select_starts([waiting], room, engine_idle=False, now_s=5.0, policy=POLICY)
+    assert chosen == [(waiting, True)]
+    # Past the allowance too, it waits; so does a call that came with no objective.
+    too_big = StagedCall("s", S, 420, arrived_s=0, due_s=5.0)
+    assert select_starts([too_big], room, engine_idle=False, now_s=9, policy=POLICY) == []
+    no_objective = StagedCall("s", S, 320, arrived_s=0)
+    assert select_starts([no_objective], room, engine_idle=False, now_s=9, policy=POLICY) == []
+
+
+def test_due_calls_jump_a_call_that_does_not_fit_first_come_first_served() -> None:
+    room = Headroom(tokens=300, seqs=16, rescue_tokens=200)
+    head = StagedCall("g-big", G, 1000, arrived_s=0)  # no objective: it waits for room
+    due = StagedCall("b-due", B, 400, arrived_s=1, due_s=2.0)
+    fits_not_due = StagedCall("b-fits", B, 64, arrived_s=2, due_s=9.0)
+    calls = [head, due, fits_not_due]
+    chosen = select_starts(calls, room, engine_idle=False, now_s=3, policy=POLICY)
+    # The due call starts past the head, in the allowance; the small one is not due, and
+    # does not jump the head (which would starve it).
+    assert chosen == [(due, True)]
+    # A due call that does not fit even in the allowance stops the due calls behind it.
+    big_due = StagedCall("s-big-due", S, 600, arrived_s=0, due_s=1.0)
+    small_due = StagedCall("b-small-due", B, 64, arrived_s=1, due_s=1.0)
+    assert not select_starts([big_due, small_due], room, engine_idle=False, now_s=3, policy=POLICY)

@@ -48,6 +48,8 @@ def stage(
     deadline_ms: int = FAR_MS,
     now_s: float = 0.0,
     block_size: int = 32,
+    ttft_objective_ms: int | None = None,
+    waited_ms: float = 0.0,
 ) -> int:
     """Stage a call; its cost."""
     staged = core.stage(
@@ -59,6 +61,8 @@ def stage(
         session_started_ms=0,
         deadline_ms=deadline_ms,
         now_s=now_s,
+        ttft_objective_ms=ttft_objective_ms,
+        waited_ms=waited_ms,
     )
     return staged.cost
 
@@ -189,12 +193,12 @@ def test_a_tier_held_back_past_the_starvation_bound_gets_credit() -> None:
     # Guaranteed has work waiting beyond its credit: the lower tiers get no doorbell.
     busy = views((1, 5), (0, 0), (0, 0))
     assert core.pulls(stats(), busy, now_s=100) == {G: 3}
-    assert core.next_wake_s(now_ms=0, pull_expires_s=30) == POLICY.starvation_s / 2
+    assert core.next_wake_s(now_ms=0, pull_expires_s=30, now_s=0) == POLICY.starvation_s / 2
     assert core.pulls(stats(), busy, now_s=110) == {G: 3}  # at the bound, not past it
     assert core.pulls(stats(), busy, now_s=110.5) == {S: 1, B: 1, G: 3}
     # Once no longer held back, the wait starts again from zero.
     assert core.pulls(stats(), views((1, 1), (1, 0), (1, 0)), now_s=111) == {}
-    assert core.next_wake_s(now_ms=0, pull_expires_s=30) == 30
+    assert core.next_wake_s(now_ms=0, pull_expires_s=30, now_s=0) == 30
     assert core.pulls(stats(), busy, now_s=112) == {G: 3}
 
 
@@ -218,9 +222,27 @@ def test_staged_lower_tier_calls_do_not_keep_a_guaranteed_call_from_being_fetche
 
 def test_next_wake_is_the_soonest_staged_deadline() -> None:
     core = WorkerCore(POLICY)
-    assert core.next_wake_s(now_ms=1_000, pull_expires_s=5) == 5
+    assert core.next_wake_s(now_ms=1_000, pull_expires_s=5, now_s=0) == 5
     stage(core, "later", deadline_ms=4_000)
     stage(core, "sooner", deadline_ms=3_000)
-    assert core.next_wake_s(now_ms=1_000, pull_expires_s=5) == pytest.approx(2.001)
-    assert core.next_wake_s(now_ms=1_000, pull_expires_s=1.5) == 1.5
-    assert core.next_wake_s(now_ms=3_500, pull_expires_s=5) == pytest.approx(0.001)
+    assert core.next_wake_s(now_ms=1_000, pull_expires_s=5, now_s=0) == pytest.approx(2.001)
+    assert core.next_wake_s(now_ms=1_000, pull_expires_s=1.5, now_s=0) == 1.5
+    assert core.next_wake_s(now_ms=3_500, pull_expires_s=5, now_s=0) == pytest.approx(0.001)
+
+
+def test_a_call_that_waited_half_its_first_token_objective_starts_past_the_mark() -> None:
+    policy = HeadroomPolicy(
+        high_water=0.9, guaranteed_reserve=0, rescue_after=0.5, rescue_overcommit=0.25
+    )
+    core = WorkerCore(policy)
+    for n in range(2):
+        stage(core, f"r{n}")
+    assert len(core.start(stats(), now_s=0)) == 2  # a peak of 1,280 of the mark's 1,843
+    # 640 more would pass the mark (1,920); it came 100 ms after its publish with an
+    # objective of 1 s, so it is due 400 ms after it was staged, and the core wakes then.
+    stage(core, "late", now_s=10.0, ttft_objective_ms=1_000, waited_ms=100)
+    assert core.next_wake_s(now_ms=0, pull_expires_s=30, now_s=10.0) == pytest.approx(0.401)
+    assert core.start(stats(running=2), now_s=10.3) == []
+    # Due: it may take the allowance (a quarter of the cache, 512 tokens) past the mark.
+    assert core.start(stats(running=2), now_s=10.4) == [Start("late", ROOM - 1280, 3, 1, True)]
+    assert core.committed_tokens(32) == 1920

@@ -64,6 +64,9 @@ class Start:
     """Calls running once this one started (itself included)."""
     together: int
     """Calls started in the same step."""
+    rescued: bool = False
+    """Started by the rescue rule (``workers.headroom``): it had waited long enough of its
+    time-to-first-token objective to start past a call that did not fit, or past the mark."""
 
 
 class WorkerCore:
@@ -116,15 +119,24 @@ class WorkerCore:
         session_started_ms: int,
         deadline_ms: int,
         now_s: float,
+        ttft_objective_ms: int | None = None,
+        waited_ms: float = 0.0,
     ) -> StagedCall:
         """Stage a call the engine's serving layer prepared; its cost (the prompt and the whole
-        output budget, in blocks) also moves the estimate that sizes pull requests. The caller
-        must not stage an id the core already holds."""
+        output budget, in blocks) also moves the estimate that sizes pull requests. A call with
+        a time-to-first-token objective, which has waited ``waited_ms`` since its publish, is
+        due for rescue once it has waited the policy's ``rescue_after`` of it. The caller must
+        not stage an id the core already holds."""
         assert not self.holds(call_id), f"call {call_id} is already held"
         load = call_load(prompt_tokens, max_tokens, 0, block_size)
         cost = load.held + load.remaining
         self._est_call_tokens += _COST_EWMA * (cost - self._est_call_tokens)
-        staged = StagedCall(call_id, tier, cost, now_s, load.remaining, session_started_ms)
+        due_s = None
+        if ttft_objective_ms is not None and self.policy.rescue_overcommit > 0:
+            due_s = now_s + (self.policy.rescue_after * ttft_objective_ms - waited_ms) / 1000
+        staged = StagedCall(
+            call_id, tier, cost, now_s, load.remaining, session_started_ms, due_s=due_s
+        )
         self._staged[call_id] = _Held(staged, deadline_ms, prompt_tokens, max_tokens)
         return staged
 
@@ -205,9 +217,9 @@ class WorkerCore:
             running=self._loads(stats.block_size),
         )
         starts: list[Start] = []
-        for staged in chosen:
+        for staged, rescued in chosen:
             self._running[staged.key] = self._staged.pop(staged.key)
-            starts.append(Start(staged.key, room.tokens, len(self._running), len(chosen)))
+            starts.append(Start(staged.key, room.tokens, len(self._running), len(chosen), rescued))
         return starts
 
     def pulls(self, stats: EngineStats, tiers: Sequence[TierView], now_s: float) -> dict[Tier, int]:
@@ -250,13 +262,21 @@ class WorkerCore:
         ]
         return plan_pulls(free, views, top_tier_room=top_tier_room)
 
-    def next_wake_s(self, now_ms: float, pull_expires_s: float) -> float:
+    def next_wake_s(self, now_ms: float, pull_expires_s: float, now_s: float) -> float:
         """How long the shell may wait for news before stepping again: until its pull requests
-        expire, a held-back tier may be starving, or a staged call's deadline comes."""
+        expire, a held-back tier may be starving, a staged call's deadline comes, or a staged
+        call becomes due for rescue."""
         wake = pull_expires_s
         if self._held_since:
             wake = min(wake, self.policy.starvation_s / 2)
         if self._staged:
             soonest = min(held.deadline_ms for held in self._staged.values())
             wake = min(wake, max((soonest - now_ms) / 1000, 0.0) + 0.001)
+            dues = [
+                held.staged.due_s
+                for held in self._staged.values()
+                if held.staged.due_s is not None and held.staged.due_s > now_s
+            ]
+            if dues:
+                wake = min(wake, min(dues) - now_s + 0.001)
         return wake

@@ -27,6 +27,16 @@ priority, then preempts the lowest-priority running call, never a guaranteed one
 tier: its preemption is the safety valve, for the top tier only. The reserve thus costs the
 lower tiers nothing while no guaranteed call needs it.
 
+Rescue (on by default): a call that has waited ``rescue_after`` of its time-to-first-token
+objective (the front door sends its tier's objective with it) and still does not fit may start
+in an allowance of ``rescue_overcommit`` of the cache past what its tier may commit, with
+vLLM's preemption as the safety valve. A call that waited that long would otherwise spend its
+objective in the queue; the engine may instead have to preempt the lowest-priority running call
+(the newest session's, lowest tier first) before the running set ends, which costs that call
+time per output token, where the objectives leave more slack than in the first token. A due
+call may start ahead of an earlier one that does not fit; a due call that does not fit even in
+the allowance stops every later one, so due calls start first come, first served.
+
 Over-commit (an operator's choice, off by default): a ``high_water`` above 1 lets the lower
 tiers' predicted peak pass the cache too. The peak assumes every call runs to its whole
 ``max_tokens``, which agents' calls rarely do, so the engine may never reach it; where it does,
@@ -68,6 +78,12 @@ class HeadroomPolicy:
     """Where the mark falls when the engine preempts, if ``high_water`` is above it (module
     doc: over-commit); it climbs back over ``overcommit_recover_s`` without preemptions."""
     overcommit_recover_s: float = 30.0
+    rescue_after: float = 0.5
+    """Share of its time-to-first-token objective a call waits (from its publish) before it
+    may start in the rescue allowance (module doc)."""
+    rescue_overcommit: float = 0.15
+    """The rescue allowance: a share of the KV cache past what the call's tier may commit
+    (0 turns rescue off)."""
 
 
 def high_water_after_preemption(policy: HeadroomPolicy, since_preemption_s: float | None) -> float:
@@ -89,6 +105,8 @@ class Headroom:
     reserved_tokens: int = 0
     """Of ``tokens``, how many only guaranteed calls may take."""
     reserved_seqs: int = 0
+    rescue_tokens: int = 0
+    """Past ``tokens``, what calls due for rescue may take (module doc)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +128,9 @@ class StagedCall:
     """Of ``cost``, the output budget (held only as it is generated)."""
     session_started_ms: int = 0
     """When the call's session was admitted: within a tier, older sessions start first."""
+    due_s: float | None = None
+    """From when (``now_s``) the call may start in the rescue allowance; ``None``: never (it
+    came with no time-to-first-token objective)."""
 
     @property
     def load(self) -> Load:
@@ -164,6 +185,7 @@ def headroom(
         seqs=seqs,
         reserved_tokens=reserved,
         reserved_seqs=reserved_seqs,
+        rescue_tokens=int(policy.rescue_overcommit * capacity),
     )
 
 
@@ -205,31 +227,43 @@ def select_starts(
     now_s: float,
     policy: HeadroomPolicy,
     running: Sequence[Load] = (),
-) -> list[StagedCall]:
-    """Which staged calls to hand to the engine now, in order. A call takes from ``room`` what
-    it adds to the predicted peak of the ``running`` calls and those chosen before it.
+) -> list[tuple[StagedCall, bool]]:
+    """Which staged calls to hand to the engine now, in order, each with whether it starts by
+    the rescue rule (past a call that does not fit, or in the allowance). A call takes from
+    ``room`` what it adds to the predicted peak of the ``running`` calls and those chosen
+    before it.
 
-    Stops at the first call that does not fit rather than letting smaller, lower-priority
-    calls jump it, which would starve large calls for ever.
+    Stops starting calls in order at the first one that does not fit, rather than letting
+    smaller, lower-priority calls jump it, which would starve large calls for ever; past it,
+    only calls due for rescue start (module doc), until one of them does not fit either.
     """
-    chosen: list[StagedCall] = []
+    chosen: list[tuple[StagedCall, bool]] = []
     tokens, seqs = room.tokens, room.seqs
     loads = list(running)
     peak = predicted_peak(loads)
+    blocked = False
     for call in start_order(staged, now_s, policy.starvation_s):
         guaranteed = call.tier is Tier.GUARANTEED
         usable_tokens = tokens if guaranteed else tokens - room.reserved_tokens
         usable_seqs = seqs if guaranteed else seqs - room.reserved_seqs
-        # On an idle engine the first call always starts: one larger than the whole budget
-        # would otherwise never run.
-        first_on_idle = engine_idle and not chosen
-        if seqs <= 0 or (usable_seqs <= 0 and not first_on_idle):
+        if seqs <= 0:
             break
         with_call = [*loads, call.load]
         added = predicted_peak(with_call) - peak
-        if added > usable_tokens and not first_on_idle:
-            break
-        chosen.append(call)
+        # On an idle engine the first call always starts: one larger than the whole budget
+        # would otherwise never run.
+        first_on_idle = engine_idle and not chosen
+        fits = first_on_idle or (usable_seqs > 0 and added <= usable_tokens)
+        rescued = False
+        if blocked or not fits:
+            due = call.due_s is not None and now_s >= call.due_s
+            if not due:
+                blocked = True
+                continue
+            if usable_seqs <= 0 or added > usable_tokens + room.rescue_tokens:
+                break
+            rescued = True
+        chosen.append((call, rescued))
         loads, peak = with_call, peak + added
         tokens -= added
         seqs -= 1

@@ -130,6 +130,25 @@ class HeadroomSettings(BaseSettings):
         gt=0,
         description="seconds without a preemption for the mark to climb back to kv_high_water",
     )
+    rescue_after: float = Field(
+        default=_POLICY.rescue_after,
+        ge=0,
+        le=1,
+        description=(
+            "share of its time-to-first-token objective a call waits for room before it may"
+            " start past the mark, in the rescue allowance"
+        ),
+    )
+    rescue_overcommit: float = Field(
+        default=_POLICY.rescue_overcommit,
+        ge=0,
+        le=1,
+        description=(
+            "the rescue allowance: share of the KV cache past the mark that calls about to miss"
+            " their time-to-first-token objective may commit (0: off; the engine preempts where"
+            " it must)"
+        ),
+    )
 
     def policy(self) -> HeadroomPolicy:
         return HeadroomPolicy(
@@ -140,6 +159,8 @@ class HeadroomSettings(BaseSettings):
             max_waiting=self.max_waiting,
             starvation_s=self.starvation_s,
             guaranteed_reserve=self.guaranteed_reserve,
+            rescue_after=self.rescue_after,
+            rescue_overcommit=self.rescue_overcommit,
         )
 
 

@@ -82,12 +82,15 @@ class CallTrace:
         self.fetch.set_status(Status(StatusCode.ERROR, reason))
         self.fetch.end()
 
-    def started(self, headroom_tokens: int, batch_size: int, started_together: int) -> None:
+    def started(
+        self, headroom_tokens: int, batch_size: int, started_together: int, rescued: bool = False
+    ) -> None:
         self.fetch.set_attributes(
             {
                 "kvgate.headroom_tokens": headroom_tokens,
                 "kvgate.batch_size": batch_size,
                 "kvgate.started_together": started_together,
+                "kvgate.rescued": rescued,
             }
         )
         self.fetch.end()

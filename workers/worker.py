@@ -119,6 +119,8 @@ class WorkerCounters:
     deadline_dropped: int = 0
     cancelled: int = 0
     handed_back: int = 0
+    rescued: int = 0
+    """Calls started by the rescue rule (``workers.headroom``)."""
     failed: int = 0
     faulted: int = 0
     """Calls that a fault outside the engine's own errors interrupted (an ack or a publish that
@@ -234,8 +236,9 @@ class Worker:
         starts = self._core.start(self.engine.stats(), now)
         for start in starts:
             call = self._calls[start.call_id]
-            call.trace.started(start.room_tokens, start.running, start.together)
+            call.trace.started(start.room_tokens, start.running, start.together, start.rescued)
             self.counters.started += 1
+            self.counters.rescued += start.rescued
             call.task = asyncio.create_task(self._serve(call))
             call.task.add_done_callback(functools.partial(self._finished, call))
         if starts:
@@ -259,7 +262,9 @@ class Worker:
             await self._pullers[tier].request(n)
 
     def _next_wake_s(self) -> float:
-        return self._core.next_wake_s(time.time() * 1000, self.settings.pull_expires_s)
+        return self._core.next_wake_s(
+            time.time() * 1000, self.settings.pull_expires_s, time.monotonic()
+        )
 
     def _on_message(self, tier: Tier, msg: Msg) -> None:
         if self._stopping.is_set():
@@ -407,6 +412,8 @@ class Worker:
                 session_started_ms=session_ms,
                 deadline_ms=envelope.deadline_ms,
                 now_s=time.monotonic(),
+                ttft_objective_ms=envelope.ttft_objective_ms,
+                waited_ms=max(0, time.time() * 1000 - spans.published_ms),
             )
         except Exception:
             await self.engine.discard(prepared)  # held at the engine's door: let it go
@@ -744,6 +751,7 @@ class Worker:
             deadline_dropped=self.counters.deadline_dropped,
             cancelled=self.counters.cancelled,
             handed_back=self.counters.handed_back,
+            rescued=self.counters.rescued,
             failed=self.counters.failed,
             faulted=self.counters.faulted,
         )

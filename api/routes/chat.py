@@ -213,6 +213,7 @@ async def _serve_call(
         one_call = True
     charge = door.leases.charge(tenant, record, call.est_prompt_tokens, call.max_tokens * parsed.n)
     objective = door.admitter.tenancy.objective(tenant, call.tier)
+    call = msgspec.structs.replace(call, ttft_objective_ms=round(objective.ttft_s * 1000))
     events = _admitted_call(door, record, call, charge, one_call, objective)
     headers = {CALL_ID_HEADER: call.call_id, SESSION_ID_HEADER: record.id}
     if not call.stream:
