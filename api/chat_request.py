@@ -214,6 +214,7 @@ def to_envelope(
     timeout_s: float,
     session_id: str | None = None,
     session_started_ms: int = 0,
+    ttft_objective_ms: int | None = None,
 ) -> CallEnvelope:
     """The call as queued: ``body`` unchanged, with kvgate's decisions beside it."""
     now_ms = int(time.time() * 1000)
@@ -237,6 +238,7 @@ def to_envelope(
         created_ms=now_ms,
         est_prompt_tokens=estimate_prompt_tokens(call),
         session_started_ms=session_started_ms,
+        ttft_objective_ms=ttft_objective_ms,
     )
 
 

@@ -189,6 +189,7 @@ async def _serve_call(
             )
         door.check_model(parsed.model)
         left_s = record.deadline_ms / 1000 - time.time()
+        objective = door.admitter.tenancy.objective(tenant, record.tier)
         call = to_envelope(
             parsed,
             body,
@@ -197,13 +198,22 @@ async def _serve_call(
             timeout_s=max(0.001, min(timeout_s, left_s)),
             session_id=record.id,
             session_started_ms=record.created_ms,
+            ttft_objective_ms=round(objective.ttft_s * 1000),
         )
         one_call = False
     else:
         tier = call_tier(request, settings, ceiling=tenant.max_tier)
         tenant.require_tier(tier)
         door.check_model(parsed.model)
-        call = to_envelope(parsed, body, settings, tier=tier, timeout_s=timeout_s)
+        objective = door.admitter.tenancy.objective(tenant, tier)
+        call = to_envelope(
+            parsed,
+            body,
+            settings,
+            tier=tier,
+            timeout_s=timeout_s,
+            ttft_objective_ms=round(objective.ttft_s * 1000),
+        )
         need = needs.for_call(tier, call.est_prompt_tokens, call.max_tokens * parsed.n, timeout_s)
         admitted = await door.admitter.admit(tenant, need, scope="call", idle_timeout_s=timeout_s)
         record = admitted.record
@@ -212,8 +222,6 @@ async def _serve_call(
         )
         one_call = True
     charge = door.leases.charge(tenant, record, call.est_prompt_tokens, call.max_tokens * parsed.n)
-    objective = door.admitter.tenancy.objective(tenant, call.tier)
-    call = msgspec.structs.replace(call, ttft_objective_ms=round(objective.ttft_s * 1000))
     events = _admitted_call(door, record, call, charge, one_call, objective)
     headers = {CALL_ID_HEADER: call.call_id, SESSION_ID_HEADER: record.id}
     if not call.stream:
