@@ -24,6 +24,15 @@ from schemas.vocab import Tier
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
+_WORKER_OUTCOMES = (
+    "completed",
+    "failed",
+    "deadline_dropped",
+    "cancelled",
+    "handed_back",
+    "faulted",
+)
+"""How a worker's calls ended: ``WorkerHeartbeat`` fields, each its own ``outcome`` label."""
 
 
 class _FleetCollector(Collector):
@@ -65,7 +74,28 @@ class _FleetCollector(Collector):
             "Sequences the engine preempted (KV cache full), since the worker started",
             labels=["worker"],
         )
+        # The worker's own counts of how its calls ended, since it started (as preemptions).
+        calls = CounterMetricFamily(
+            "kvgate_worker_calls",
+            "Calls the worker ended, by how, since the worker started",
+            labels=["worker", "outcome"],
+        )
+        rescued = CounterMetricFamily(
+            "kvgate_worker_rescued",
+            "Calls started by the rescue rule (due by their first-token objective), since the"
+            " worker started",
+            labels=["worker"],
+        )
+        generated = CounterMetricFamily(
+            "kvgate_worker_generated_tokens",
+            "Output tokens the engine generated for the worker's calls, since the worker started",
+            labels=["worker"],
+        )
         for hb in live:
+            for outcome in _WORKER_OUTCOMES:
+                calls.add_metric([hb.worker_id, outcome], getattr(hb, outcome))
+            rescued.add_metric([hb.worker_id], hb.rescued)
+            generated.add_metric([hb.worker_id], hb.generated_tokens)
             if hb.kv_cache_usage is not None:
                 usage.add_metric([hb.worker_id], hb.kv_cache_usage)
             running.add_metric([hb.worker_id], hb.num_running)
@@ -75,6 +105,7 @@ class _FleetCollector(Collector):
             draining.add_metric([hb.worker_id], int(hb.draining))
             preemptions.add_metric([hb.worker_id], hb.num_preemptions)
         yield from (usage, running, waiting, max_seqs, staged, draining, preemptions)
+        yield from (calls, rescued, generated)
         # Every worker heard from in the last ten minutes, stale ones included: a worker that
         # stopped heartbeating shows here as an age that grows (where the gauges above simply
         # lose it), until it is forgotten.

@@ -7,9 +7,13 @@ import json
 from typing import Any
 
 import httpx
+import nats
 import openai
 import pytest
+from nats.aio.msg import Msg
 
+from api.chat_request import TIER_HEADER
+from schemas.wire import CALL_SUBJECT_PREFIX, CallEnvelope, decode_call
 from tests.calls import MODEL, chat_body
 from tests.conftest import Stack
 from tests.polling import poll_until
@@ -130,6 +134,36 @@ async def test_non_streamed_completion_over_http(stack: Stack) -> None:
     assert resp.headers["x-kvgate-call"]
     assert resp.headers["x-kvgate-worker"] == "w1"  # the worker that answered
     assert int(resp.headers["x-kvgate-queue-wait-ms"]) >= 0  # how long it queued before the engine
+
+
+async def test_a_call_carries_its_tiers_first_token_objective_to_the_worker(
+    stack: Stack,
+) -> None:
+    # The worker's rescue rule (workers/headroom.py) times a call by the objective the front
+    # door sends with it: the tier's, here the default tenants' (broker/admission/tenants.py).
+    client = await nats.connect(stack.nats.url)
+    try:
+        seen: asyncio.Queue[CallEnvelope] = asyncio.Queue()
+
+        async def keep(msg: Msg) -> None:
+            await seen.put(decode_call(msg.data))
+
+        await client.subscribe(CALL_SUBJECT_PREFIX + ">", cb=keep)
+        await client.flush()
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=CLIENT_TIMEOUT_S) as http:
+            for tier, objective_ms in (("standard", 3000), ("besteffort", 30000)):
+                resp = await http.post(
+                    "/v1/chat/completions",
+                    json=chat_body(max_tokens=2),
+                    headers={TIER_HEADER: tier},
+                )
+                assert resp.status_code == 200, resp.text
+                envelope = await asyncio.wait_for(seen.get(), CLIENT_TIMEOUT_S)
+                assert envelope.call_id == resp.headers["x-kvgate-call"]
+                assert envelope.tier.value == tier
+                assert envelope.ttft_objective_ms == objective_ms
+    finally:
+        await client.close()
 
 
 async def test_streamed_completion_over_http(stack: Stack) -> None:

@@ -158,6 +158,8 @@ async def test_metrics_parse_and_move_when_calls_are_made(stack: Stack) -> None:
     ) -> float:
         return s.get((name, tuple(sorted(labels.items()))), 0.0)
 
+    done = {"worker": "w1", "outcome": "completed"}
+
     async def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         return samples((await client.get("/metrics")).text)
 
@@ -170,6 +172,8 @@ async def test_metrics_parse_and_move_when_calls_are_made(stack: Stack) -> None:
             value(s, "kvgate_calls_total", **ok) >= value(before, "kvgate_calls_total", **ok) + 2
             and ("kvgate_queue_pending", (("tier", "guaranteed"),)) in s
             and value(s, written) >= value(before, written) + 2
+            and value(s, "kvgate_worker_calls_total", **done)
+            >= value(before, "kvgate_worker_calls_total", **done) + 2
         )
 
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
@@ -209,6 +213,13 @@ async def test_metrics_parse_and_move_when_calls_are_made(stack: Stack) -> None:
     assert value(after, "kvgate_worker_draining", worker="w1") == 0
     assert ("kvgate_worker_staged", (("worker", "w1"),)) in after
     assert ("kvgate_worker_preemptions_total", (("worker", "w1"),)) in after
+    # The worker's heartbeats count its calls' ends and output: both moved by the two calls.
+    worker_calls = "kvgate_worker_calls_total"
+    assert value(after, worker_calls, **done) >= value(before, worker_calls, **done) + 2
+    generated = "kvgate_worker_generated_tokens_total"
+    assert value(after, generated, worker="w1") >= value(before, generated, worker="w1") + 10
+    assert ("kvgate_worker_rescued_total", (("worker", "w1"),)) in after
+    assert (worker_calls, (("outcome", "faulted"), ("worker", "w1"))) in after
     assert 0 <= value(after, "kvgate_worker_heartbeat_age_seconds", worker="w1") < SETTLE_BOUND_S
     assert ("kvgate_queue_pending", (("tier", "guaranteed"),)) in after
     assert ("kvgate_queue_redelivered", (("tier", "guaranteed"),)) in after
