@@ -111,6 +111,13 @@ class ApiSettings(BaseSettings):
     # 503 at once rather than taking on work it has no memory for. Each streaming call holds one
     # for its whole length.
     max_connections: int = Field(default=8192, ge=1)
+    # How long an idle connection stays open after its last answer. Longer than clients keep
+    # theirs (httpx, under OpenAI's SDK: 5 s; aiohttp: 15 s), so that a client never sends a
+    # request on a connection the server is closing at that instant: uvicorn's own default, 5 s,
+    # is httpx's, and that race loses the request (the connection resets under a POST, which a
+    # client that does not retry by itself reports as a failed call). Idle connections count
+    # toward `max_connections`.
+    keep_alive_s: int = Field(default=75, ge=1)
     # A request's head (request line and headers) past this is refused, 431, and its connection
     # closed (api/http.py): the bytes a client sends before its headers end are held in memory.
     max_head_bytes: int = Field(default=64 << 10, ge=4096)

@@ -180,6 +180,7 @@ def cmd_api(args: argparse.Namespace) -> int:
             log_config=None,  # uvicorn's loggers go through kvgate's (JSON) handler
             timeout_graceful_shutdown=10,
             limit_concurrency=settings.max_connections,
+            timeout_keep_alive=settings.keep_alive_s,
             http=bounded_head_protocol(settings.max_head_bytes),
         )
     finally:

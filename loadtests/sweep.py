@@ -547,8 +547,13 @@ class Sweep:
 
 def _http() -> aiohttp.ClientSession:
     # No connection limit and no total timeout: the agents bound every call by its deadline.
+    # Idle connections are dropped after 2 s, before either server drops them (vLLM's server
+    # keeps them 5 s, uvicorn's default; kvgate's front door 75 s): with aiohttp's 15 s, the
+    # first call of a point could go out on a connection the server closed while the harness
+    # settled, and fail with a reset in either mode.
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2),
+        timeout=aiohttp.ClientTimeout(total=None),
     )
 
 
