@@ -129,8 +129,14 @@ async def test_redis_down_for_30s_degrades_per_tier_then_recovers_with_no_lease_
 
     # Guaranteed: admitted against the local budget, and its calls served.
     opened = seen(Kind.SESSION_OPEN, "guaranteed")
-    assert opened and all(o.ok and o.reason == "admitted_degraded" for o in opened), opened
-    degraded = {o.session_id for o in opened}
+    admitted = [o for o in opened if o.ok]
+    assert admitted and all(o.reason == "admitted_degraded" for o in admitted), opened
+    # None is turned away for want of Redis. One may be deferred by the fleet's own answer, as
+    # it would be with Redis up: calls of its tier pending in JetStream when it asked (check 5
+    # of broker/admission/policy.py; a loaded machine's worker pulls a moment late).
+    deferred = [o for o in opened if not o.ok]
+    assert all(o.code == "fleet_saturated" and o.retry_after for o in deferred), deferred
+    degraded = {o.session_id for o in admitted}
     calls = [o for o in seen(Kind.SESSION_CALL, "guaranteed") if o.session_id in degraded]
     assert all(o.ok for o in calls), calls
     assert all(o.ok for o in seen(Kind.PLAIN_CALL, "guaranteed"))
