@@ -198,6 +198,9 @@ class _CallObservation:
         self._first_token: float | None = None
         self._outcome: str | None = None
         self._tokens = 0
+        # Looked up once: a labelled child costs a lock and a lookup, and this one is counted
+        # on every batch of tokens.
+        self._token_counter = line.metrics.tokens.labels(self._tier)
         self.span: Span | None = None
 
     def publishing(self) -> None:
@@ -224,7 +227,7 @@ class _CallObservation:
                 self.ended(event.code.value)
         if tokens:
             self._tokens += tokens
-            self._metrics.tokens.labels(self._tier).inc(tokens)
+            self._token_counter.inc(tokens)
             if self._first_token is None:
                 self._first_token = now
                 self._metrics.ttft.labels(self._tier).observe(time.time() - self._created_s)

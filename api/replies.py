@@ -60,7 +60,10 @@ class ReplyStream:
         engine. Raises ``TimeoutError``."""
         if not self._pending:
             self._ready.clear()
-            await asyncio.wait_for(self._ready.wait(), max(timeout, 0.0))
+            # asyncio.timeout, not wait_for: wait_for wraps the wait in a task of its own, one
+            # per batch on the token path.
+            async with asyncio.timeout(max(timeout, 0.0)):
+                await self._ready.wait()
         batch = list(self._pending)
         self._pending.clear()
         return batch

@@ -11,6 +11,7 @@ a single write, so this class does.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -38,16 +39,31 @@ class SseResponse(StreamingResponse):
         self._events = content
         self.send_timeout_s = send_timeout_s
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def stream_response(self, send: Send) -> None:
+        # One timer per response, armed only while a write waits on the client: waiting for
+        # the call's next events is not the client's stall. Not anyio's ``fail_after`` around
+        # each write: that costs a cancel scope and a backend lookup on every token.
+        loop = asyncio.get_running_loop()
+        bound = asyncio.timeout(None)
+
         async def bounded(message: Message) -> None:
-            try:
-                with anyio.fail_after(self.send_timeout_s):
-                    await send(message)
-            except TimeoutError:
-                raise _ClientStalled from None
+            bound.reschedule(loop.time() + self.send_timeout_s)
+            await send(message)
+            bound.reschedule(None)
 
         try:
-            await super().__call__(scope, receive, bounded)
+            async with bound:
+                await super().stream_response(bounded)
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            # Starlette would read a ``TimeoutError`` (an ``OSError``) as the client having
+            # disconnected.
+            raise _ClientStalled from None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
         except* _ClientStalled:
             # The connection is closed by the server once this returns with the response
             # unfinished; the events are closed now, not when the generator is collected.

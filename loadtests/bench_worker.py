@@ -1,7 +1,9 @@
 """Worker benchmarks on the real vLLM engine (CPU build here; the same code drives a GPU).
 
 1. Throughput efficiency at saturation: output tokens/s through kvgate (front door, JetStream,
-   worker) / the same engine configuration driven directly in-process, same prompts, one run.
+   worker) / the same engine configuration driven directly in-process, same prompts, one run;
+   and / the same engine behind vLLM's own OpenAI server (``vllm serve``), driven by the same
+   HTTP client. Each server's CPU time per output token, by process, beside it.
 2. Burst: 3x what the worker's KV cache holds, best-effort, then guaranteed calls on top:
    peak KV usage against the high-water mark, preemptions, the engine's waiting queue, and
    time to first token per tier.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -26,10 +29,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import psutil
 
 from kvgate.cli import COMMAND
 from loadtests import stats
-from loadtests.targets import EngineConfig, KvgateStack
+from loadtests.targets import DirectVllm, EngineConfig, KvgateStack
 from workers.headroom import HeadroomPolicy
 from workers.settings import worker_env
 
@@ -170,14 +174,46 @@ async def plain_call(client: httpx.AsyncClient, max_tokens: int, tier: str) -> i
     return int(resp.json()["usage"]["completion_tokens"])
 
 
-async def run_kvgate_throughput(
-    stack: KvgateStack, calls: int, max_tokens: int
-) -> dict[str, dict[str, float]]:
+class CpuMeter:
+    """CPU seconds (user and system) of the processes behind a server, by role, and of this
+    process, the load client. A role's child processes (a worker's or ``vllm serve``'s engine
+    core) are counted apart, as ``<role>_children``. CPU per output token moves less than tokens
+    per second with what else the host runs, though not nothing: processes that share a core
+    each take more CPU for the same work."""
+
+    def __init__(self, roles: dict[str, int]) -> None:
+        self._roles = {role: psutil.Process(pid) for role, pid in roles.items()}
+        self._client = psutil.Process()
+
+    def read(self) -> dict[str, float]:
+        def cpu(procs: list[psutil.Process]) -> float:
+            total = 0.0
+            for p in procs:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    times = p.cpu_times()
+                    total += times.user + times.system
+            return total
+
+        readings = {"client": cpu([self._client])}
+        for role, proc in self._roles.items():
+            readings[role] = cpu([proc])
+            children = proc.children(recursive=True)
+            if children:
+                readings[f"{role}_children"] = cpu(children)
+        return readings
+
+
+async def run_http_throughput(
+    base_url: str, calls: int, max_tokens: int, meter: CpuMeter
+) -> dict[str, dict[str, Any]]:
+    """``calls`` calls at once through an OpenAI-compatible server (kvgate's front door or
+    ``vllm serve``), streamed, then not streamed, by the same client."""
     limits = httpx.Limits(max_connections=calls + 8)
-    report: dict[str, dict[str, float]] = {}
-    async with httpx.AsyncClient(base_url=stack.base_url, timeout=600, limits=limits) as client:
+    report: dict[str, dict[str, Any]] = {}
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
         await stream_call(client, 4, "standard")  # first call through the HTTP path
         for mode in ("streamed", "non_streamed"):
+            cpu_before = meter.read()
             started = time.monotonic()
             if mode == "streamed":
                 results = await asyncio.gather(
@@ -190,12 +226,42 @@ async def run_kvgate_throughput(
                 )
                 tokens = sum(counts)
             elapsed = time.monotonic() - started
+            cpu_after = meter.read()
             report[mode] = {
                 "output_tokens": tokens,
                 "seconds": elapsed,
                 "tokens_per_s": tokens / elapsed,
+                "cpu_us_per_token": {
+                    role: round(1e6 * (cpu_after[role] - cpu_before.get(role, 0.0)) / tokens, 1)
+                    for role in cpu_after
+                }
+                if tokens
+                else {},
             }
     return report
+
+
+async def run_kvgate_throughput(
+    stack: KvgateStack, calls: int, max_tokens: int
+) -> dict[str, dict[str, Any]]:
+    meter = CpuMeter(
+        {"front_door": stack.api.pid, "worker": stack.worker.pid, "nats": stack.nats.pid or 0}
+    )
+    return await run_http_throughput(stack.base_url, calls, max_tokens, meter)
+
+
+async def run_vllm_serve_throughput(
+    model: Path, root: Path, calls: int, max_tokens: int
+) -> dict[str, dict[str, Any]]:
+    """The same engine behind vLLM's own OpenAI server: what an operator runs without kvgate,
+    HTTP and the load client's cost included, as they are in kvgate's figures."""
+    server = DirectVllm(EngineConfig(model=model, num_blocks=int(THROUGHPUT_BLOCKS)), root)
+    try:
+        await server.start()
+        meter = CpuMeter({"vllm_serve": server.proc.pid})
+        return await run_http_throughput(server.base_url, calls, max_tokens, meter)
+    finally:
+        server.stop()
 
 
 async def run_burst(stack: KvgateStack) -> dict[str, Any]:
@@ -302,6 +368,12 @@ def main() -> int:
         )  # fmt: skip
         direct = json.loads(out.stdout.strip().splitlines()[-1])
 
+        print("vllm serve throughput ...", flush=True)
+        (root / "v").mkdir()
+        served = asyncio.run(
+            run_vllm_serve_throughput(model, root / "v", args.calls, args.max_tokens)
+        )
+
         print("kvgate throughput ...", flush=True)
         (root / "t").mkdir()
         if args.guaranteed_reserve is not None:
@@ -325,6 +397,10 @@ def main() -> int:
     efficiency = {
         mode: result["tokens_per_s"] / direct["tokens_per_s"] for mode, result in through.items()
     }
+    against_serve = {
+        mode: result["tokens_per_s"] / served[mode]["tokens_per_s"]
+        for mode, result in through.items()
+    }
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "engine_env": ENGINE_ENV,
@@ -332,8 +408,10 @@ def main() -> int:
             "calls": args.calls,
             "max_tokens": args.max_tokens,
             "direct": direct,
+            "vllm_serve": served,
             "kvgate": through,
             "efficiency": efficiency,
+            "efficiency_against_vllm_serve": against_serve,
             "guaranteed_reserve": args.guaranteed_reserve,
         },
         "burst": burst,
@@ -343,8 +421,11 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     for mode, result in through.items():
         print(
-            f"throughput ({mode}): direct {direct['tokens_per_s']:.0f} tok/s, kvgate "
-            f"{result['tokens_per_s']:.0f} tok/s, efficiency {efficiency[mode]:.3f}"
+            f"throughput ({mode}): direct {direct['tokens_per_s']:.0f} tok/s, vllm serve "
+            f"{served[mode]['tokens_per_s']:.0f} tok/s, kvgate {result['tokens_per_s']:.0f} "
+            f"tok/s, efficiency {efficiency[mode]:.3f} (against vllm serve "
+            f"{against_serve[mode]:.3f}); CPU us per token: kvgate "
+            f"{result['cpu_us_per_token']}, vllm serve {served[mode]['cpu_us_per_token']}"
         )
     if burst:
         print(
