@@ -141,13 +141,19 @@ def start_api(root: Path, name: str, nats_url: str, env: dict[str, str]) -> tupl
     environment (``KVGATE_REDIS_URL``...). Returns at once, with its base URL and its ledger:
     the caller waits for ``/healthz``."""
     from broker.procs import Proc, free_port
+    from loadtests.targets import CODE_UNDER_TEST_ENV
 
     ledger = root / f"{name}-ledger.db"
     port = free_port()
     api = Proc(
         name,
         [*COMMAND, "--log-level", "WARNING", "api", "--port", str(port)],
-        {"KVGATE_NATS_URL": nats_url, "KVGATE_DATABASE_URL": f"sqlite:///{ledger}", **env},
+        {
+            "KVGATE_NATS_URL": nats_url,
+            "KVGATE_DATABASE_URL": f"sqlite:///{ledger}",
+            **CODE_UNDER_TEST_ENV,
+            **env,
+        },
         root,
     )
     return api, f"http://127.0.0.1:{port}", ledger

@@ -31,6 +31,13 @@ from broker.procs import Proc, free_port
 from kvgate.cli import COMMAND
 from workers.settings import worker_env
 
+CODE_UNDER_TEST_ENV = {"PYTHONSAFEPATH": "1"}
+"""For kvgate's processes started by the harness: import kvgate from ``PYTHONPATH`` where it
+names a checkout, else from the installed (editable) package, never from the working
+directory. ``python -m`` otherwise puts the working directory first on the path, ahead of
+``PYTHONPATH``, so a comparison run from this tree with another checkout on ``PYTHONPATH``
+measured this tree's code on both sides."""
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -177,6 +184,7 @@ class KvgateStack:
             "KVGATE_DATABASE_URL": f"sqlite:///{self.ledger}",
             "KVGATE_WORKER_HEARTBEAT_INTERVAL_S": str(heartbeat_s),
             "KVGATE_LOG_FORMAT": "text",
+            **CODE_UNDER_TEST_ENV,
             **extra_env,
         }
         cli = [*COMMAND, "--log-level", "WARNING"]
