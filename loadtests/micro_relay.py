@@ -3,9 +3,10 @@ events (``ReplyStream.next_batch``) and the bound on each SSE write (``SseRespon
 timed over many rounds on the event loop the front door runs (uvloop), with nothing else in
 the loop. CPU time, median of 5 rounds.
 
-Run: ``.venv/bin/python -m loadtests.micro_relay`` (a few seconds). To compare two checkouts,
-run it with each first on ``PYTHONPATH``; the write bound's two forms are timed side by side
-in one run, since only one of them is in the code.
+Run: ``.venv/bin/python -m loadtests.micro_relay`` (a few seconds). To time another checkout's
+``next_batch``, run this file by its path from outside both trees, that checkout first on
+``PYTHONPATH`` (``python -m`` from this tree would import this tree's ``api`` instead). The
+write bound's two forms are timed side by side in one run, since only one is in the code.
 """
 
 from __future__ import annotations
