@@ -55,9 +55,10 @@ class CallLine:
     nc: NATS
     stream_idle_timeout_s: float
     metrics: FrontDoorMetrics
-    judge: Callable[[Tier, bool, str, int], None]
-    """Admission's judge: the call's tier, whether it met its objective, its session and the
-    calls that session declared (``broker.admission.objectives`` weighs calls by session)."""
+    judge: Callable[[Tier, bool, str, int, float | None], None]
+    """Admission's judge: the call's tier, whether it met its objective, its session, the
+    calls that session declared (``broker.admission.objectives`` weighs calls by session) and
+    when it was admitted (epoch seconds; ``None`` when not known)."""
 
 
 async def follow_call(
@@ -66,10 +67,11 @@ async def follow_call(
     objective: Objective | None = None,
     *,
     session_calls: int = 1,
+    session_admitted_ms: int | None = None,
 ) -> AsyncGenerator[list[ReplyEvent] | Restarted, None]:
     """Publish ``call`` and yield its reply events in arrival batches until the terminal one.
     A call with an ``objective`` is judged against it when it ends, for admission, as one of
-    the ``session_calls`` its session declared.
+    the ``session_calls`` its session declared, admitted at ``session_admitted_ms``.
 
     Raises ``KvgateError`` (from publishing, a timeout, or ``WorkerLost`` when a streamed
     call's reply events were lost in transit); a worker's ``Failed`` event is yielded like any
@@ -77,7 +79,7 @@ async def follow_call(
     """
     stream = line.replies.open(call.call_id)
     finished = False
-    observed = _CallObservation(line, call, objective, session_calls)
+    observed = _CallObservation(line, call, objective, session_calls, session_admitted_ms)
     # Spans are started and ended by hand, not made current: this generator yields, and a
     # context made current here would leak into (or be reset from) the consumer's context.
     parent = otel_context.get_current()
@@ -184,12 +186,16 @@ class _CallObservation:
         call: CallEnvelope,
         objective: Objective | None,
         session_calls: int,
+        session_admitted_ms: int | None,
     ) -> None:
         self._metrics = line.metrics
         self._judge_call = line.judge
         self._objective = objective
         self._session_id = call.session_id
         self._session_calls = session_calls
+        self._session_admitted_s = (
+            None if session_admitted_ms is None else session_admitted_ms / 1000
+        )
         self._call_tier = call.tier
         self._tier = call.tier.value
         self._created_s = call.created_ms / 1000
@@ -250,7 +256,9 @@ class _CallObservation:
         self.ended("ok")
 
     def _judge(self, met: bool) -> None:
-        self._judge_call(self._call_tier, met, self._session_id, self._session_calls)
+        self._judge_call(
+            self._call_tier, met, self._session_id, self._session_calls, self._session_admitted_s
+        )
         self._metrics.objective_met.labels(self._tier, "yes" if met else "no").inc()
 
     def ended(self, outcome: str) -> None:

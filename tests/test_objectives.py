@@ -59,7 +59,7 @@ def test_after_its_first_cut_a_window_grows_by_a_constant_step_and_only_on_evide
     judge(w, B, met=10, missed=0, at_s=2.5)  # the calls admitted under the cut meet it
     w.bound(2)
     w.step(4.0)
-    assert w.windows[B] == pytest.approx(1.9)  # 2 s at 0.25 a second
+    assert w.windows[B] == pytest.approx(1.5)  # 2 s at 0.05 a second
     # Guaranteed and standard allow more than the best-effort group's factor: a busy
     # best-effort tier does not widen them.
     assert (w.windows[G], w.windows[S]) == (2.0, 2.0)
@@ -68,24 +68,50 @@ def test_after_its_first_cut_a_window_grows_by_a_constant_step_and_only_on_evide
     assert w.windows[G] == pytest.approx(2.2) and w.windows[S] == pytest.approx(2.2)
 
 
-def test_a_binding_window_grows_fast_while_the_fleet_has_room_even_after_a_cut() -> None:
+def test_room_grows_a_binding_window_fast_until_its_first_cut_and_not_after() -> None:
     w = ObjectiveWindows(replace(BOUNDS, room_increase_per_s=1.0))
-    w.windows.update({G: 2.0, S: 2.0, B: 2.0})
-    judge(w, B, met=0, missed=10, at_s=0.0)
-    w.step(0.0)
-    assert w.windows[B] == pytest.approx(1.4)
     w.bound(2)
-    w.step(0.5, room=False)  # no evidence since the cut, and the fleet is busy: no growth
-    assert w.windows[B] == pytest.approx(1.4)
+    w.step(0.0, room=True)
     w.bound(2)
-    w.step(1.0, room=True)  # sessions turned away from a fleet with room: 50% in 0.5 s
-    assert w.windows[B] == pytest.approx(2.1)
-    w.step(1.5, room=True)  # nobody was turned away: room alone grows nothing
-    assert w.windows[B] == pytest.approx(2.1)
+    w.step(0.5, room=True)  # sessions turned away from a fleet with room: 50% in 0.5 s
+    assert w.windows[B] == pytest.approx(1.5)
+    w.step(1.0, room=True)  # nobody was turned away: room alone grows nothing
+    assert w.windows[B] == pytest.approx(1.5)
     for t in range(2, 10):
         w.bound(2)
         w.step(float(t), room=True)
     assert w.windows[B] == 4.0  # never above the ceiling
+    judge(w, B, met=0, missed=10, at_s=10.0)
+    w.step(10.0)
+    assert w.windows[B] == pytest.approx(2.8)
+    # After the cut, room in the quiet after the burst that caused it is no evidence: the
+    # window stays where the cut left it until calls run under it meet the target.
+    for t in range(11, 15):
+        w.bound(2)
+        w.step(float(t), room=True)
+    assert w.windows[B] == pytest.approx(2.8)
+
+
+def test_calls_of_sessions_admitted_before_a_cut_are_no_evidence_after_it() -> None:
+    w = ObjectiveWindows(replace(BOUNDS, start=4.0))
+    for n in range(10):
+        w.judge(S, False, 1.0, session=f"old{n}", session_calls=4, admitted_s=0.5)
+    w.step(1.0)
+    assert w.windows[S] == pytest.approx(2.8)
+    # The sessions admitted under 4.0 go on missing after the cut; they do not cut again,
+    # nor count for the narrower window.
+    for n in range(10, 30):
+        w.judge(S, False, 2.0, session=f"old{n}", session_calls=1, admitted_s=0.9)
+    assert w.attainment(S, 2.0) == (None, 0)
+    w.step(2.0)
+    assert w.windows[S] == pytest.approx(2.8)
+    # Sessions admitted after it do, met or missed; so does a call whose admission is unknown.
+    for n in range(10):
+        w.judge(S, False, 3.0, session=f"new{n}", session_calls=1, admitted_s=1.5)
+    w.judge(S, True, 3.0, session="elsewhere", session_calls=1)
+    assert w.attainment(S, 3.0) == pytest.approx((1 / 11, 11))
+    w.step(3.0)
+    assert w.windows[S] == pytest.approx(1.96)
 
 
 def test_a_miss_rate_above_the_target_cuts_the_tier_and_every_tier_below_it() -> None:

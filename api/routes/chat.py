@@ -270,7 +270,13 @@ async def _admitted_call(
             # A one-call session lives as long as its call's own timeout: the call ran out of
             # time before it started. Its caller named no session; 410 would name one it never saw.
             raise DeadlineExceeded("the call's timeout passed before it could start") from None
-        events = follow_call(door.calls, call, objective, session_calls=record.expected_calls)
+        events = follow_call(
+            door.calls,
+            call,
+            objective,
+            session_calls=record.expected_calls,
+            session_admitted_ms=record.created_ms,
+        )
         async with contextlib.aclosing(events):
             async for item in events:
                 yield item

@@ -245,10 +245,24 @@ class Admitter:
             self.metrics.window.labels(tier.value).set(window)
         self.metrics.overcommit.set(self.windows.group_factors()[0])
 
-    def judge_call(self, tier: Tier, met: bool, session_id: str, session_calls: int) -> None:
+    def judge_call(
+        self,
+        tier: Tier,
+        met: bool,
+        session_id: str,
+        session_calls: int,
+        admitted_s: float | None = None,
+    ) -> None:
         """An ended call of an admitted session, judged against its objectives; the session
-        declared ``session_calls`` calls."""
-        self.windows.judge(tier, met, time.time(), session=session_id, session_calls=session_calls)
+        declared ``session_calls`` calls and was admitted at ``admitted_s`` (epoch seconds)."""
+        self.windows.judge(
+            tier,
+            met,
+            time.time(),
+            session=session_id,
+            session_calls=session_calls,
+            admitted_s=admitted_s,
+        )
 
     def _unseen_tokens(self, snapshot: FleetSnapshot, now_ms: int) -> int:
         """Tokens reserved by this replica's admissions that the newest worker reading in

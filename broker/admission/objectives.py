@@ -27,17 +27,23 @@ factor on the fleet's KV capacity, moves by additive increase and multiplicative
   (the smallest among the group's tiers and the tiers above them) grow, unless they were just
   cut; the others already allow more than the factor and are left alone, or a busy lower
   tier would inflate a higher tier's window with nothing to show for it. They grow by
-  ``increase_per_s`` of their value a second until a tier's first cut (a slow start, as TCP's,
-  so that a fleet whose objectives allow a wide window finds it in seconds); after it, by
-  ``increase_per_s`` a second, and only while the tier's judged calls show it meeting its
-  target (at least ``min_calls`` of them): the effect of a wider window shows only once the
-  sessions it admitted have run, so growing on no evidence overshoots. Capacity nobody asks
-  for is not grown into, so a quiet fleet keeps what it learned;
-- a binding window also grows, by ``room_increase_per_s`` of its value a second and whether or
-  not the tier was ever cut, while the fleet measurably has room (the caller says so: its
-  committed KV under ``room_below``, nothing staged or queued; ``broker.admission.fleet_has_room``).
-  Turning sessions away from an idle fleet is the one failure a wider window cannot make worse
-  before its sessions arrive, and their misses cut it again;
+  ``slow_start_per_s`` of their value a second until a tier's first cut (a slow start, as
+  TCP's, so that a fleet whose objectives allow a wide window finds it in seconds), and by
+  ``room_increase_per_s`` of it while the fleet measurably has room (the caller says so: its
+  committed KV under ``room_below``, nothing staged or queued;
+  ``broker.admission.fleet_has_room``);
+- after a tier's first cut its windows grow only by ``increase_per_s`` a second, and only while
+  the tier's judged calls show it meeting its target (at least ``min_calls`` of them). The
+  effect of a wider window shows only once the sessions it admitted have run, a median of
+  about 8 s in the CPU sweep: the growth is paced to that delay (0.05 a second adds 0.4 in a
+  round trip), and room seen in the quiet after a burst is not evidence (growing on it
+  returned a window to the factor its misses had come from within a second,
+  ``loadtests/results/overcommit-cap``). Capacity nobody asks for is not grown into, so a quiet
+  fleet keeps what it learned;
+- a call of a session admitted before its tier's last cut is not evidence about the window the
+  cut left: its verdicts are not counted for the tier. Otherwise the misses of the sessions
+  admitted under the wide window would go on cutting the narrower one for a round trip
+  after the first cut;
 - with fewer than ``min_calls`` calls judged, a tier is never in violation.
 
 Invariants a change must keep: every window stays within ``[floor, ceiling]``; the factor of a
@@ -89,13 +95,16 @@ class WindowBounds:
     """Calls judged longer ago than this no longer count."""
     min_calls: int = 20
     decrease: float = 0.7
-    increase_per_s: float = 0.25
-    """Slow start: this share of the window a second; after a tier's first cut, this much a
-    second, and only on evidence (``min_calls`` judged, meeting ``target``)."""
+    slow_start_per_s: float = 0.25
+    """Until a tier's first cut: this share of the window a second."""
+    increase_per_s: float = 0.05
+    """After a tier's first cut: this much a second, and only on evidence (``min_calls``
+    judged, meeting ``target``)."""
     room_below: float = 0.5
     """The fleet has room while its committed and used KV are both under this share."""
     room_increase_per_s: float = 1.0
-    """Growth, a share of the window a second, of a binding window while the fleet has room."""
+    """Until a tier's first cut, growth (a share of the window a second) of a binding window
+    while the fleet has room."""
     start: float | None = None
     """The windows' first value; the floor when unset (nothing learned yet)."""
 
@@ -134,8 +143,8 @@ class ObjectiveWindows:
         }
         self._bound_group: int | None = None
         self._last_s: float | None = None
-        self._cut: set[Tier] = set()
-        """Tiers cut at least once: past their slow start."""
+        self._cut_at: dict[Tier, float] = {}
+        """When each tier was last cut; a tier in it is past its slow start."""
 
     def judge(
         self,
@@ -145,10 +154,14 @@ class ObjectiveWindows:
         *,
         session: str | None = None,
         session_calls: int = 1,
+        admitted_s: float | None = None,
     ) -> None:
         """One ended call of an admitted session, met or missed. ``session`` names the
-        session and ``session_calls`` the calls it declared; without one the call is a session
-        of its own (module doc)."""
+        session, ``session_calls`` the calls it declared and ``admitted_s`` when it was
+        admitted (on the clock of ``now_s``; ``None`` when not known); without a session the
+        call is a session of its own (module doc)."""
+        if admitted_s is not None and admitted_s < self._cut_at.get(tier, -math.inf):
+            return  # admitted under an earlier window: no evidence about this one (module doc)
         if session is None:
             self._judged[tier].append(_Judged(now_s, 1.0, 0.0 if met else 1.0))
             return
@@ -210,22 +223,19 @@ class ObjectiveWindows:
             factor = min(self.windows[t] for t in group)
             binding = {t for t in group if self.windows[t] <= factor * (1 + 1e-9)}
         for i, tier in enumerate(TIERS_BY_PRIORITY):
+            window = self.windows[tier]
             if cut_from is not None and i >= cut_from:
-                self.windows[tier] = max(b.floor, self.windows[tier] * b.decrease)
+                self.windows[tier] = max(b.floor, window * b.decrease)
                 self._judged[tier].clear()
-                self._cut.add(tier)
+                self._cut_at[tier] = now_s
                 # Sessions go on being remembered as missed: a late call of one says nothing
                 # new about the smaller window.
             elif tier in binding:
-                window = self.windows[tier]
-                step = b.increase_per_s * elapsed
-                if room:
-                    grown = window * (1 + b.room_increase_per_s * elapsed)
-                    self.windows[tier] = min(b.ceiling, grown)
-                elif tier not in self._cut:
-                    self.windows[tier] = min(b.ceiling, window * (1 + step))
+                if tier not in self._cut_at:
+                    rate = max(b.slow_start_per_s, b.room_increase_per_s if room else 0.0)
+                    self.windows[tier] = min(b.ceiling, window * (1 + rate * elapsed))
                 elif self.meeting(tier, now_s):
-                    self.windows[tier] = min(b.ceiling, window + step)
+                    self.windows[tier] = min(b.ceiling, window + b.increase_per_s * elapsed)
         self._bound_group = None
         self._forget_sessions(now_s)
         return dict(self.windows)
