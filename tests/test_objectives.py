@@ -44,7 +44,13 @@ def test_windows_start_at_the_floor_and_grow_only_where_admissions_were_bound() 
     for t in range(8, 40):
         w.bound(2)
         w.step(float(t))
-    assert w.windows == {G: 4.0, S: 4.0, B: 4.0}  # never above the ceiling
+    assert w.windows == {G: 2.0, S: 2.0, B: 2.0}  # slow start stops at its threshold
+    for t in range(40, 100):  # beyond it, growth on evidence: 0.05 a second
+        for tier in (G, S, B):
+            judge(w, tier, met=10, missed=0, at_s=float(t))
+        w.bound(2)
+        w.step(float(t))
+    assert w.windows[B] == pytest.approx(4.0)  # never above the ceiling
 
 
 def test_after_its_first_cut_a_window_grows_by_a_constant_step_and_only_on_evidence() -> None:
@@ -84,16 +90,16 @@ def test_room_grows_a_binding_window_fast_until_its_first_cut_and_not_after() ->
     for t in range(2, 10):
         w.bound(2)
         w.step(float(t), room=True)
-    assert w.windows[B] == 4.0  # never above the ceiling
+    assert w.windows[B] == 2.0  # no further than slow start's threshold
     judge(w, B, met=0, missed=10, at_s=10.0)
     w.step(10.0)
-    assert w.windows[B] == pytest.approx(2.8)
+    assert w.windows[B] == pytest.approx(1.4)
     # After the cut, room in the quiet after the burst that caused it is no evidence: the
     # window stays where the cut left it until calls run under it meet the target.
     for t in range(11, 15):
         w.bound(2)
         w.step(float(t), room=True)
-    assert w.windows[B] == pytest.approx(2.8)
+    assert w.windows[B] == pytest.approx(1.4)
 
 
 def test_calls_of_sessions_admitted_before_a_cut_are_no_evidence_after_it() -> None:

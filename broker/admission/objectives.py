@@ -36,8 +36,12 @@ factor on the fleet's KV capacity, moves by additive increase and multiplicative
   TCP's, so that a fleet whose objectives allow a wide window finds it in seconds), and by
   ``room_increase_per_s`` of it while the fleet measurably has room (the caller says so: its
   committed KV under ``room_below``, nothing staged or queued;
-  ``broker.admission.fleet_has_room``);
-- after a tier's first cut its windows grow only by ``increase_per_s`` a second, and only while
+  ``broker.admission.fleet_has_room``), up to ``slow_start_until`` (TCP's initial slow-start
+  threshold). Misses are judged seconds after the sessions behind them were admitted, so an
+  unbounded slow start ran on to 3.6-4 before its first cut, and the sessions admitted on the
+  way missed (``loadtests/results/paced-windows``);
+- past that threshold, or after a tier's first cut, its windows grow only by
+  ``increase_per_s`` a second, and only while
   the tier's judged calls show it meeting its target (at least ``min_calls`` of them). The
   effect of a wider window shows only once the sessions it admitted have run, a median of
   about 8 s in the CPU sweep: the growth is paced to that delay (0.05 a second adds 0.4 in a
@@ -104,6 +108,8 @@ class WindowBounds:
     """The cut of the tiers above a violating one (module doc)."""
     slow_start_per_s: float = 0.25
     """Until a tier's first cut: this share of the window a second."""
+    slow_start_until: float = 2.0
+    """Slow start and room growth stop at this window (module doc)."""
     increase_per_s: float = 0.05
     """After a tier's first cut: this much a second, and only on evidence (``min_calls``
     judged, meeting ``target``)."""
@@ -239,9 +245,10 @@ class ObjectiveWindows:
                 # Sessions go on being remembered as missed: a late call of one says nothing
                 # new about the smaller window.
             elif tier in binding:
-                if tier not in self._cut_at:
+                if tier not in self._cut_at and window < b.slow_start_until:
                     rate = max(b.slow_start_per_s, b.room_increase_per_s if room else 0.0)
-                    self.windows[tier] = min(b.ceiling, window * (1 + rate * elapsed))
+                    grown = window * (1 + rate * elapsed)
+                    self.windows[tier] = min(b.ceiling, b.slow_start_until, grown)
                 elif self.meeting(tier, now_s):
                     self.windows[tier] = min(b.ceiling, window + b.increase_per_s * elapsed)
         self._bound_group = None
