@@ -9,6 +9,7 @@ out), the call is cancelled so the worker frees its KV cache.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -70,8 +71,10 @@ async def follow_call(
     session_admitted_ms: int | None = None,
 ) -> AsyncGenerator[list[ReplyEvent] | Restarted, None]:
     """Publish ``call`` and yield its reply events in arrival batches until the terminal one.
-    A call with an ``objective`` is judged against it when it ends, for admission, as one of
-    the ``session_calls`` its session declared, admitted at ``session_admitted_ms``.
+    A call with an ``objective`` is judged against it for admission, as one of the
+    ``session_calls`` its session declared (admitted at ``session_admitted_ms``): when it
+    ends, or when its first-token objective runs out before a worker started it
+    (``_CallObservation``).
 
     Raises ``KvgateError`` (from publishing, a timeout, or ``WorkerLost`` when a streamed
     call's reply events were lost in transit); a worker's ``Failed`` event is yielded like any
@@ -178,7 +181,12 @@ class _CallObservation:
 
     The verdict times the first token from the publish, not from the request: a call that
     waited for one of its own session's slots waited on its session, not on the fleet, and
-    admission must not shrink the fleet's window for it."""
+    admission must not shrink the fleet's window for it.
+
+    A call that has not started when its time-to-first-token objective runs out has missed
+    it, whatever follows, and is judged then rather than when it ends: the windows learn of a
+    burst the fleet cannot start in time while it is happening, not a call's length later,
+    when more sessions have been admitted into it. The verdict is given once."""
 
     def __init__(
         self,
@@ -203,6 +211,8 @@ class _CallObservation:
         self._first_event_at: float | None = None
         self._first_token: float | None = None
         self._outcome: str | None = None
+        self._judged = False
+        self._overdue: asyncio.TimerHandle | None = None
         self._tokens = 0
         # Looked up once: a labelled child costs a lock and a lookup, and this one is counted
         # on every batch of tokens.
@@ -211,6 +221,17 @@ class _CallObservation:
 
     def publishing(self) -> None:
         self._published = time.monotonic()
+        if self._objective is not None:
+            self._overdue = asyncio.get_running_loop().call_later(
+                self._objective.ttft_s, self._first_token_overdue
+            )
+
+    def _first_token_overdue(self) -> None:
+        # No event at all yet: not even the worker's start, which a streamed call's first
+        # token follows and a whole answer's verdict stands on. Once started, the call is
+        # judged when it ends, by its actual first token.
+        if self._outcome is None and self._first_event_at is None:
+            self._judge(False)
 
     def events(self, batch: list[ReplyEvent]) -> None:
         now = time.monotonic()
@@ -256,12 +277,17 @@ class _CallObservation:
         self.ended("ok")
 
     def _judge(self, met: bool) -> None:
+        if self._judged:
+            return
+        self._judged = True
         self._judge_call(
             self._call_tier, met, self._session_id, self._session_calls, self._session_admitted_s
         )
         self._metrics.objective_met.labels(self._tier, "yes" if met else "no").inc()
 
     def ended(self, outcome: str) -> None:
+        if self._overdue is not None:
+            self._overdue.cancel()
         if self._outcome is None:
             # A call the fleet was too slow to start missed; one its caller left, or that
             # failed on its own request, says nothing about the fleet's load.

@@ -3,6 +3,10 @@ events counted and a streamed call with a hole in its answer ended with ``worker
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -10,13 +14,14 @@ from nats.aio.msg import Msg
 from api.calls import CallLine, Restarted, follow_call
 from api.metrics import FrontDoorMetrics
 from api.replies import ReplyEvent, ReplyRouter, ReplyStream
+from broker.admission.objectives import Objective
 from broker.admission.signals import FleetSignals
 from broker.errors import WorkerLost
 from broker.fleet import FleetView
 from broker.publisher import CallPublisher
 from broker.settings import StreamSettings
 from broker.streams import provision_calls
-from schemas.vocab import ErrorCode, FinishReason
+from schemas.vocab import ErrorCode, FinishReason, Tier
 from schemas.wire import (
     Done,
     Failed,
@@ -116,9 +121,18 @@ EVENT_TIMEOUT_S = 10.0
 """For a call's events to reach the front door over a local NATS: generous for a loaded host."""
 
 
-async def followed(nc: NATS, *, stream: bool, events: list[ReplyEvent]) -> list[ReplyEvent]:
+async def followed(
+    nc: NATS,
+    *,
+    stream: bool,
+    events: list[ReplyEvent],
+    objective: Objective | None = None,
+    judge: Callable[[Tier, bool, str, int], None] = lambda *_: None,
+    before_answer: Callable[[], Awaitable[None]] | None = None,
+) -> list[ReplyEvent]:
     """Publish a call through ``follow_call`` on real NATS, answer it with ``events`` as its
-    worker would (some of them lost on the way), and return what the front door yields."""
+    worker would (some of them lost on the way; after ``before_answer``, if given), and return
+    what the front door yields."""
     await provision_calls(nc.jetstream(), StreamSettings())
     router = ReplyRouter(nc)
     await router.start()
@@ -128,20 +142,22 @@ async def followed(nc: NATS, *, stream: bool, events: list[ReplyEvent]) -> list[
         nc,
         stream_idle_timeout_s=EVENT_TIMEOUT_S,
         metrics=FrontDoorMetrics(FleetSignals(FleetView(6.0))),
-        judge=lambda *_: None,
+        judge=judge,
     )
     call = make_call("gap", stream=stream)
     seen: list[ReplyEvent] = []
 
     async def worker(msg: Msg) -> None:
         assert msg.headers is not None
+        if before_answer is not None:
+            await before_answer()
         for event in events:
             await nc.publish(msg.headers[Header.REPLY], encode(event))
 
     # A core subscription on the call's subject gets the call as the stream stores it.
     sub = await nc.subscribe(call_subject(call.tier, call.model), cb=worker)
     try:
-        async for item in follow_call(line, call):
+        async for item in follow_call(line, call, objective):
             assert not isinstance(item, Restarted)
             seen += item
     finally:
@@ -162,3 +178,49 @@ async def test_a_plain_call_missing_a_progress_event_still_gets_its_whole_body(n
     done = Done(2, 1, FinishReason.LENGTH, Usage(3, 3), body=b"{}")
     seen = await followed(nc, stream=False, events=[tok(0, ""), done])
     assert seen[-1] == done
+
+
+async def test_a_call_not_started_within_its_first_token_objective_is_judged_then(
+    nc: NATS,
+) -> None:
+    """Admission learns of the miss while the call still waits, not once it has run, and the
+    call's end judges it no second time."""
+    verdicts: list[bool] = []
+    judged = asyncio.Event()
+
+    def judge(tier: Tier, met: bool, session: str, calls: int) -> None:
+        verdicts.append(met)
+        judged.set()
+
+    async def wait_for_the_verdict() -> None:
+        # Without the early verdict this waits out the timeout and the assertion below fails.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(judged.wait(), EVENT_TIMEOUT_S)
+        judged_while_waiting.append(judged.is_set())
+
+    judged_while_waiting: list[bool] = []
+    done = Done(1, 1, FinishReason.LENGTH, Usage(3, 1))
+    await followed(
+        nc,
+        stream=True,
+        events=[tok(0, "a"), done],
+        objective=Objective(ttft_s=0.05, tpot_s=1.0),
+        judge=judge,
+        before_answer=wait_for_the_verdict,
+    )
+    assert judged_while_waiting == [True]
+    assert verdicts == [False]
+
+
+async def test_a_call_answered_in_time_is_judged_once_when_it_ends(nc: NATS) -> None:
+    verdicts: list[bool] = []
+    objective = Objective(ttft_s=EVENT_TIMEOUT_S, tpot_s=EVENT_TIMEOUT_S)
+    done = Done(1, 1, FinishReason.LENGTH, Usage(3, 1))
+    await followed(
+        nc,
+        stream=True,
+        events=[tok(0, "a"), done],
+        objective=objective,
+        judge=lambda tier, met, *_: verdicts.append(met),
+    )
+    assert verdicts == [True]

@@ -5,8 +5,9 @@ Reservations (``broker.admission.policy``) bound what admitted sessions may hold
 peaks. Whether that much work meets its TTFT and TPOT objectives depends on the workload, the
 engine and the hardware, which admission cannot know in advance; the over-commit a fleet can
 carry is therefore learned from the outcome, as CONCUR (arXiv 2601.22705) does for agent
-sessions. Every call of an admitted session that ends is judged against its objectives (its
-tier's, or its tenant's where the tenants file overrides them), and per tier a window, a
+sessions. Every call of an admitted session is judged against its objectives (its tier's, or
+its tenant's where the tenants file overrides them) when it ends, or sooner when no worker has
+started it within its first-token objective (``api.calls``), and per tier a window, a
 factor on the fleet's KV capacity, moves by additive increase and multiplicative decrease:
 
 - a tier's attainment is the share of its admitted sessions that met every objective so far,
