@@ -188,7 +188,7 @@ async def test_a_call_not_started_within_its_first_token_objective_is_judged_the
     verdicts: list[bool] = []
     judged = asyncio.Event()
 
-    def judge(tier: Tier, met: bool, session: str, calls: int) -> None:
+    def judge(tier: Tier, met: bool, session: str, calls: int, admitted_s: float | None) -> None:
         verdicts.append(met)
         judged.set()
 
