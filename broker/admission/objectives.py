@@ -41,15 +41,14 @@ factor on the fleet's KV capacity, moves by additive increase and multiplicative
   threshold). Misses are judged seconds after the sessions behind them were admitted, so an
   unbounded slow start ran on to 3.6-4 before its first cut, and the sessions admitted on the
   way missed (``loadtests/results/paced-windows``);
-- past that threshold, or after a tier's first cut, its windows grow only by
-  ``increase_per_s`` a second, and only while
-  the tier's judged calls show it meeting its target (at least ``min_calls`` of them). The
-  effect of a wider window shows only once the sessions it admitted have run, a median of
-  about 8 s in the CPU sweep: the growth is paced to that delay (0.05 a second adds 0.4 in a
-  round trip), and room seen in the quiet after a burst is not evidence (growing on it
-  returned a window to the factor its misses had come from within a second,
-  ``loadtests/results/overcommit-cap``). Capacity nobody asks for is not grown into, so a quiet
-  fleet keeps what it learned;
+- past that threshold, or after a tier's first cut, its windows grow only by ``increase_per_s``
+  a second, and only while the tier's judged calls show it meeting its target (at least
+  ``min_calls`` of them). The effect of a wider window shows only once the sessions it
+  admitted have run, a median of about 8 s in the CPU sweep: the growth is paced to that
+  delay (0.05 a second adds 0.4 in a round trip), and room seen in the quiet after a burst is
+  not evidence (growing on it returned a window to the factor its misses had come from within
+  a second, ``loadtests/results/overcommit-cap``). Capacity nobody asks for is not grown into,
+  so a quiet fleet keeps what it learned;
 - a call of a session admitted before its tier's last cut is not evidence about the window the
   cut left: its verdicts are not counted for the tier. Otherwise the misses of the sessions
   admitted under the wide window would go on cutting the narrower one for a round trip
@@ -112,13 +111,13 @@ class WindowBounds:
     slow_start_until: float = 2.0
     """Slow start and room growth stop at this window (module doc)."""
     increase_per_s: float = 0.05
-    """After a tier's first cut: this much a second, and only on evidence (``min_calls``
-    judged, meeting ``target``)."""
+    """Past slow start: this much a second, and only on evidence (``min_calls`` judged,
+    meeting ``target``)."""
     room_below: float = 0.5
     """The fleet has room while its committed and used KV are both under this share."""
     room_increase_per_s: float = 1.0
-    """Until a tier's first cut, growth (a share of the window a second) of a binding window
-    while the fleet has room."""
+    """In slow start, growth (a share of the window a second) of a binding window while the
+    fleet has room."""
     start: float | None = None
     """The windows' first value; the floor when unset (nothing learned yet)."""
 
