@@ -127,7 +127,7 @@ async def followed(
     stream: bool,
     events: list[ReplyEvent],
     objective: Objective | None = None,
-    judge: Callable[[Tier, bool, str, int], None] = lambda *_: None,
+    judge: Callable[[Tier, bool, str, int, float | None], None] = lambda *_: None,
     before_answer: Callable[[], Awaitable[None]] | None = None,
 ) -> list[ReplyEvent]:
     """Publish a call through ``follow_call`` on real NATS, answer it with ``events`` as its
