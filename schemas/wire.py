@@ -202,6 +202,8 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True):
     faulted: int = 0
     """Calls a fault outside the engine interrupted (an ack or a publish that failed): any is
     worth a look (``WorkerCounters.faulted``)."""
+    ended: int = 0
+    """Calls ended for good, whatever their outcome (``WorkerCounters.ended``)."""
 
 
 class CallResult(msgspec.Struct, frozen=True):

@@ -568,8 +568,11 @@ def worker_holdings(live: list[WorkerHeartbeat]) -> dict[str, int]:
         "worker_running": sum(hb.num_running for hb in live),
         "worker_waiting": sum(hb.num_waiting for hb in live),
         "worker_staged": sum(hb.staged for hb in live),
-        "worker_ended": sum(hb.completed + hb.cancelled + hb.deadline_dropped for hb in live),
+        "worker_ended": sum(hb.ended for hb in live),
         "worker_completed": sum(hb.completed for hb in live),
+        # Not checked: what a failure's message needs to tell how the ended calls ended.
+        "worker_failed": sum(hb.failed for hb in live),
+        "worker_faulted": sum(hb.faulted for hb in live),
     }
 
 
@@ -588,11 +591,15 @@ class Rest:
     least and at most: exact for a worker that drained and told its final counters; for a
     killed one, from its last heartbeat to that plus what it might still have ended before
     the kill."""
+    may_expire: int = 0
+    """Calls the server may have dropped from the stream unstarted at their deadline (their
+    ``Nats-TTL``), never delivered to a worker: at most this many (``may_have_expired``)."""
 
     async def read(self) -> dict[str, int]:
         readings = await jetstream_holdings(self.nats_url)
         readings |= worker_holdings(self.fleet.workers())
         readings["gone_ended_min"], readings["gone_ended_max"] = self.gone_ended
+        readings["may_expire"] = self.may_expire
         readings["door_calls_open"] = readings["door_ledger_queued"] = 0
         for base_url in (self.base_url, *self.other_doors):
             door = await metrics(base_url)
@@ -626,13 +633,30 @@ MUST_BE_ZERO = (
 def at_rest(readings: dict[str, int]) -> bool:
     """Nothing held anywhere, one live worker, and every call ever published ended once at a
     worker (its heartbeat counters are cumulative, so a call ended twice shows as more): the
-    calls the live workers did not end, the gone ones did (``Rest.gone_ended``)."""
+    calls the live workers did not end, the gone ones did (``Rest.gone_ended``), but for those
+    the server may have dropped unstarted at their deadline (``Rest.may_expire``)."""
     held = any(readings.get(name, 0) != 0 for name in MUST_BE_ZERO)
     not_ended_live = readings["js_calls_published"] - readings["worker_ended"]
-    return (
-        not held
-        and readings["workers_live"] >= 1
-        and readings.get("gone_ended_min", 0) <= not_ended_live <= readings.get("gone_ended_max", 0)
+    least = readings.get("gone_ended_min", 0)
+    most = readings.get("gone_ended_max", 0) + readings.get("may_expire", 0)
+    return not held and readings["workers_live"] >= 1 and least <= not_ended_live <= most
+
+
+def may_have_expired(outcomes: list[Outcome]) -> int:
+    """At most how many of the calls behind ``outcomes`` the server may have dropped from the
+    stream unstarted at their deadline, which the publisher sets as the message's TTL: none,
+    unless a stall outlasted a deadline (here 30 s), and then callers that waited were told
+    ``deadline_exceeded``. After such a stall, any call not known to have started may have
+    expired: those told so, those whose publish was not confirmed (``broker_unavailable``:
+    queued or not) and those whose caller left before a streamed token showed it started."""
+    if not any(o.code == ErrorCode.DEADLINE_EXCEEDED for o in outcomes):
+        return 0
+    unstarted = {ErrorCode.DEADLINE_EXCEEDED, ErrorCode.BROKER_UNAVAILABLE}
+    return sum(
+        1
+        for o in outcomes
+        if o.kind in (Kind.SESSION_CALL, Kind.PLAIN_CALL)
+        and (o.code in unstarted or (o.disconnected and not o.stream))
     )
 
 

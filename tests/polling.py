@@ -4,7 +4,9 @@ only be polled, never awaited."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import httpx
@@ -40,3 +42,30 @@ async def wait_ready(base_url: str, *, timeout_s: float = READY_BOUND_S) -> None
         await poll_until(
             lambda: client.get("/readyz"), lambda r: r.status_code == 200, timeout_s=timeout_s
         )
+
+
+@contextlib.asynccontextmanager
+async def bounded(seconds: float, what: str) -> AsyncIterator[None]:
+    """Fails with ``AssertionError`` if the block runs longer than ``seconds``, after printing
+    the stack of every task on the loop: a hang then says where it waits. pytest-timeout's
+    report shows only the event loop's idle ``select`` (seen in CI)."""
+    loop = asyncio.get_running_loop()
+    dump = loop.call_later(seconds, _print_tasks, what)
+    timeout = asyncio.timeout(seconds + 1)  # a moment after the dump
+    try:
+        async with timeout:
+            yield
+    except TimeoutError:
+        if not timeout.expired():
+            raise  # the block's own
+        raise AssertionError(
+            f"{what}: still waiting after {seconds:g} s; every task's stack is printed above"
+        ) from None
+    finally:
+        dump.cancel()
+
+
+def _print_tasks(what: str) -> None:
+    print(f"\n--- {what}: still waiting; the stack of every task ---", file=sys.stdout)
+    for task in asyncio.all_tasks():
+        task.print_stack(file=sys.stdout)

@@ -22,7 +22,7 @@ from broker.natsserver import EmbeddedNats
 from broker.procs import Proc
 from loadtests.heartbeats import keep_beating
 from schemas.wire import WORKERS_BUCKET
-from tests.polling import poll_until, wait_ready
+from tests.polling import bounded, poll_until, wait_ready
 from tests.procs import start_api
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -37,6 +37,9 @@ RELEASE_BOUND_S = IDLE_TIMEOUT_S + 15
 sweeps, generous for a loaded machine."""
 HEARTBEAT_INTERVAL_S = 0.5
 """How often the test's stand-in worker heartbeats, as a real one does."""
+HANG_BOUND_S = 200.0
+"""The whole test, which takes about 16 s here: past it, it waits for something that will not
+come, and says where (under pytest-timeout's 300 s)."""
 WATCH_INTERVAL_S = 0.005
 """How often the test samples what Redis holds while the requests race: a peak is no event to
 await, so it is sampled often."""
@@ -73,6 +76,12 @@ async def prefix() -> AsyncIterator[str]:
 async def test_replicas_sharing_redis_never_over_admit_and_release_a_dead_replicas_sessions(
     nats_server: EmbeddedNats, tmp_path: Path, prefix: str
 ) -> None:
+    # It hung once in CI until pytest-timeout stopped it, which said nothing of where.
+    async with bounded(HANG_BOUND_S, "the replicas' race"):
+        await race_and_kill_a_replica(nats_server, tmp_path, prefix)
+
+
+async def race_and_kill_a_replica(nats_server: EmbeddedNats, tmp_path: Path, prefix: str) -> None:
     env = {
         "KVGATE_REDIS_URL": REDIS_URL,
         "KVGATE_REDIS_PREFIX": prefix,

@@ -3,7 +3,7 @@ fed a case broken on purpose, with no server."""
 
 from __future__ import annotations
 
-from tests.chaos import MUST_BE_ZERO, Kind, Outcome, at_rest, check_answers
+from tests.chaos import MUST_BE_ZERO, Kind, Outcome, at_rest, check_answers, may_have_expired
 
 
 def call(call_id: str, **fields: object) -> Outcome:
@@ -65,3 +65,23 @@ def test_calls_ended_by_a_gone_worker_count_within_what_is_known_of_them() -> No
         assert at_rest(quiet | {"worker_ended": live_ended}), live_ended
     assert not at_rest(quiet | {"worker_ended": 8})  # a call ended twice
     assert not at_rest(quiet | {"worker_ended": 4})  # a call lost
+
+
+def test_calls_the_server_may_have_dropped_at_their_deadline_are_bounded_by_the_callers() -> None:
+    """Only after a stall that outlasted a deadline may a call have left the stream unstarted,
+    and only one whose caller never saw it start."""
+    quiet = {name: 0 for name in MUST_BE_ZERO} | {"workers_live": 1, "js_calls_published": 10}
+    no_stall = [
+        call("a"),
+        call("b", answers=0, status=503, code="broker_unavailable"),
+        call("c", answers=0, disconnected=True),
+    ]
+    assert may_have_expired(no_stall) == 0
+    assert not at_rest(quiet | {"worker_ended": 9, "may_expire": may_have_expired(no_stall)})
+    streamed = call("d", answers=0, disconnected=True, stream=True)  # after its first token
+    stalled = [*no_stall, streamed, call("e", answers=0, status=504, code="deadline_exceeded")]
+    assert may_have_expired(stalled) == 3  # b, c and e
+    for live_ended in (7, 8, 9, 10):
+        assert at_rest(quiet | {"worker_ended": live_ended, "may_expire": 3}), live_ended
+    assert not at_rest(quiet | {"worker_ended": 6, "may_expire": 3})  # more lost than could be
+    assert not at_rest(quiet | {"worker_ended": 11, "may_expire": 3})  # a call ended twice

@@ -83,7 +83,7 @@ class Workers:
         self._worker.request_stop()
         await asyncio.wait_for(self._task, WORKER_STOP_BOUND_S)
         counters = self._worker.counters
-        self.retired_ended += counters.completed + counters.cancelled + counters.deadline_dropped
+        self.retired_ended += counters.ended
         self._worker = self._task = None
 
 

@@ -188,7 +188,7 @@ async def harness(nats_server: EmbeddedNats, nc: NATS) -> AsyncIterator[Harness]
 async def test_a_call_refused_on_arrival_does_not_hold_up_the_next(harness: Harness) -> None:
     """A call the engine refuses when it arrives (here: too long for the context) used its
     tier's pull credit; the worker must ask for more at once, not when the pull expires."""
-    await harness.start_worker(pull_expires_s=60)
+    worker = await harness.start_worker(pull_expires_s=60)
     refused = await harness.send(call("too-long", content="w " * 3000))
     await asyncio.wait_for(refused.ended.wait(), EVENT_BOUND_S)
     assert isinstance(refused.terminal, Failed)
@@ -197,6 +197,13 @@ async def test_a_call_refused_on_arrival_does_not_hold_up_the_next(harness: Harn
     following = await harness.send(call("next", max_tokens=3))
     await asyncio.wait_for(following.ended.wait(), EVENT_BOUND_S)
     assert isinstance(following.terminal, Done)
+
+    async def outcomes() -> tuple[int, int, int]:
+        counters = worker.counters
+        return counters.ended, counters.failed, counters.completed
+
+    # Each ended for good once; the refusal counts as failed: an error its caller saw.
+    await poll_until(outcomes, lambda o: o == (2, 1, 1), timeout_s=EVENT_BOUND_S, interval_s=0.01)
 
 
 async def test_credit_whose_expiry_notice_was_lost_is_asked_for_again(harness: Harness) -> None:
@@ -277,7 +284,8 @@ async def test_engine_errors_are_retried_then_reported_once(harness: Harness) ->
     assert info.state.messages == 0  # terminated, not left to redeliver
     # Operators see it in the worker's heartbeat (kvgate workers, the fleet view).
     beat = worker.heartbeat()
-    assert (beat.failed, beat.faulted, beat.completed) == (1, 0, 0)
+    # Ended for good once, after two hand-backs that did not end it.
+    assert (beat.failed, beat.faulted, beat.completed, beat.ended) == (1, 0, 0, 1)
 
 
 async def test_a_call_past_its_deadline_is_never_started(harness: Harness) -> None:
@@ -661,7 +669,8 @@ async def test_a_fault_outside_the_engine_hands_the_call_back_at_once(
     assert inbox.terminal.attempt == 2
     assert not [e for e in inbox.events if isinstance(e, Failed)]
     await assert_fault_handled(harness, "fault-mid", caplog)
-    assert harness.workers[0][0].counters.completed == 1
+    counters = harness.workers[0][0].counters
+    assert (counters.completed, counters.ended) == (1, 1)
 
 
 async def test_a_fault_after_the_answer_ends_the_call_without_a_second_answer(
@@ -678,6 +687,9 @@ async def test_a_fault_after_the_answer_ends_the_call_without_a_second_answer(
     assert isinstance(inbox.terminal, Done)
     assert [e.attempt for e in inbox.events if isinstance(e, Done | Failed)] == [1]
     await assert_fault_handled(harness, "fault-end", caplog)
+    # Neither completed nor cancelled, yet ended: the accounting counts it all the same.
+    counters = harness.workers[0][0].counters
+    assert (counters.completed, counters.ended) == (0, 1)
 
 
 SHORT_ACK_WAIT = StreamSettings(ack_wait_s=1, max_deliver=50)

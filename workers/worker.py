@@ -126,6 +126,12 @@ class WorkerCounters:
     """Calls that a fault outside the engine's own errors interrupted (an ack or a publish that
     failed or timed out, a bug): handed back, or ended for good once answered, on the last
     attempt, or when it struck while the call was prepared (it would strike again)."""
+    ended: int = 0
+    """Calls ended for good here (acked or terminated), whatever their outcome: the counters
+    above sort calls by outcome, and a call ended after a fault or refused by the serving
+    layer is in none of completed, cancelled and deadline_dropped. Each call queued ends once,
+    at one worker, or leaves the stream unstarted at its deadline (tests/chaos.py's
+    accounting)."""
     max_committed_tokens: int = 0
 
 
@@ -381,6 +387,7 @@ class Worker:
             prepared = await self.engine.prepare(request)
         except EngineRequestError as exc:
             spans.refused(exc.code.value)
+            self.counters.failed += 1  # an error its caller sees, as when refused mid-run
             await relay.fail(exc.code, str(exc), exc.param)
             await self._settle(msg, Settle.TERM)
             return
@@ -547,6 +554,8 @@ class Worker:
 
     async def _settle(self, msg: Msg, how: Settle) -> None:
         """Ack or term ``msg``, confirmed by the server (workers/acks.py)."""
+        # Counted before the round trip, as ``completed`` is: the call's end is decided here.
+        self.counters.ended += 1
         await settle(self.nc, msg, how, bound_s=self.settings.stream.ack_wait_s)
 
     async def _stopped(self, call: _Call) -> None:
@@ -754,6 +763,7 @@ class Worker:
             rescued=self.counters.rescued,
             failed=self.counters.failed,
             faulted=self.counters.faulted,
+            ended=self.counters.ended,
         )
 
     async def _put_heartbeat(self, *, draining: bool = False) -> None:
