@@ -23,11 +23,11 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from api.metrics import FrontDoorMetrics
 from api.replies import ReplyEvent, ReplyRouter
-from broker.admission.objectives import Objective
+from broker.admission.objectives import Objective, Verdict
 from broker.errors import DeadlineExceeded, KvgateError, WorkerLost, error_class
 from broker.publisher import CallPublisher
 from broker.telemetry import inject_headers, tracer
-from schemas.vocab import ErrorCode, Tier
+from schemas.vocab import ErrorCode
 from schemas.wire import (
     CANCEL_SUBJECT_PREFIX,
     CallEnvelope,
@@ -56,10 +56,8 @@ class CallLine:
     nc: NATS
     stream_idle_timeout_s: float
     metrics: FrontDoorMetrics
-    judge: Callable[[Tier, bool, str, int, float | None], None]
-    """Admission's judge: the call's tier, whether it met its objective, its session, the
-    calls that session declared (``broker.admission.objectives`` weighs calls by session) and
-    when it was admitted (epoch seconds; ``None`` when not known)."""
+    judge: Callable[[Verdict], None]
+    """Admission's judge (``broker.admission.objectives`` weighs calls by session)."""
 
 
 async def follow_call(
@@ -281,7 +279,13 @@ class _CallObservation:
             return
         self._judged = True
         self._judge_call(
-            self._call_tier, met, self._session_id, self._session_calls, self._session_admitted_s
+            Verdict(
+                self._call_tier,
+                met,
+                self._session_id,
+                self._session_calls,
+                self._session_admitted_s,
+            )
         )
         self._metrics.objective_met.labels(self._tier, "yes" if met else "no").inc()
 

@@ -7,7 +7,13 @@ from dataclasses import replace
 
 import pytest
 
-from broker.admission.objectives import Objective, ObjectiveWindows, SessionPace, WindowBounds
+from broker.admission.objectives import (
+    Objective,
+    ObjectiveWindows,
+    SessionPace,
+    Verdict,
+    WindowBounds,
+)
 from broker.admission.tenants import DEFAULT_TIERS, ObjectiveOverride, Tenancy, Tenant
 from schemas.vocab import Tier
 
@@ -17,9 +23,9 @@ BOUNDS = WindowBounds(floor=1.0, ceiling=4.0, target=0.9, window_s=10.0, min_cal
 
 def judge(w: ObjectiveWindows, tier: Tier, met: int, missed: int, at_s: float) -> None:
     for _ in range(met):
-        w.judge(tier, True, at_s)
+        w.judge(Verdict(tier, True), at_s)
     for _ in range(missed):
-        w.judge(tier, False, at_s)
+        w.judge(Verdict(tier, False), at_s)
 
 
 def test_an_objective_is_met_by_a_fast_first_token_and_fast_tokens_after_it() -> None:
@@ -105,20 +111,20 @@ def test_room_grows_a_binding_window_fast_until_its_first_cut_and_not_after() ->
 def test_calls_of_sessions_admitted_before_a_cut_are_no_evidence_after_it() -> None:
     w = ObjectiveWindows(replace(BOUNDS, start=4.0))
     for n in range(10):
-        w.judge(S, False, 1.0, session=f"old{n}", session_calls=4, admitted_s=0.5)
+        w.judge(Verdict(S, False, session=f"old{n}", session_calls=4, admitted_s=0.5), 1.0)
     w.step(1.0)
     assert w.windows[S] == pytest.approx(2.8)
     # The sessions admitted under 4.0 go on missing after the cut; they do not cut again,
     # nor count for the narrower window.
     for n in range(10, 30):
-        w.judge(S, False, 2.0, session=f"old{n}", session_calls=1, admitted_s=0.9)
+        w.judge(Verdict(S, False, session=f"old{n}", session_calls=1, admitted_s=0.9), 2.0)
     assert w.attainment(S, 2.0) == (None, 0)
     w.step(2.0)
     assert w.windows[S] == pytest.approx(2.8)
     # Sessions admitted after it do, met or missed; so does a call whose admission is unknown.
     for n in range(10):
-        w.judge(S, False, 3.0, session=f"new{n}", session_calls=1, admitted_s=1.5)
-    w.judge(S, True, 3.0, session="elsewhere", session_calls=1)
+        w.judge(Verdict(S, False, session=f"new{n}", session_calls=1, admitted_s=1.5), 3.0)
+    w.judge(Verdict(S, True, session="elsewhere", session_calls=1), 3.0)
     assert w.attainment(S, 3.0) == pytest.approx((1 / 11, 11))
     w.step(3.0)
     assert w.windows[S] == pytest.approx(1.96)
@@ -153,7 +159,7 @@ def test_a_tier_is_judged_by_its_sessions_not_by_its_calls() -> None:
     for n in range(10):
         for c in range(10):
             met = not (n in (3, 7) and c == 5)
-            w.judge(S, met, 1.0, session=f"s{n}", session_calls=10)
+            w.judge(Verdict(S, met, session=f"s{n}", session_calls=10), 1.0)
     assert w.attainment(S, 1.0) == pytest.approx((0.8, 100))
     w.step(2.0)
     assert w.windows[S] == pytest.approx(2.8)
@@ -167,18 +173,18 @@ def test_a_tier_is_judged_by_its_sessions_not_by_its_calls() -> None:
 def test_a_missed_session_counts_once_whole_and_its_later_calls_add_nothing() -> None:
     w = ObjectiveWindows(WindowBounds(floor=1.0, ceiling=4.0, target=0.5, start=4.0))
     for _ in range(4):  # half of a session of eight met, then it misses twice
-        w.judge(B, True, 1.0, session="late", session_calls=8)
-    w.judge(B, False, 1.0, session="late", session_calls=8)
-    w.judge(B, False, 1.0, session="late", session_calls=8)
+        w.judge(Verdict(B, True, session="late", session_calls=8), 1.0)
+    w.judge(Verdict(B, False, session="late", session_calls=8), 1.0)
+    w.judge(Verdict(B, False, session="late", session_calls=8), 1.0)
     for _ in range(8):
-        w.judge(B, True, 1.0, session="fine", session_calls=8)
+        w.judge(Verdict(B, True, session="fine", session_calls=8), 1.0)
     for _ in range(6):
-        w.judge(B, True, 1.0, session="late", session_calls=8)
+        w.judge(Verdict(B, True, session="late", session_calls=8), 1.0)
     # Two sessions judged, one missed: 50%, however many of the missed one's calls came after.
     assert w.attainment(B, 1.0) == pytest.approx((0.5, 20))
     w.step(1.5)
     assert w.windows[B] == 4.0  # on the 50% target
-    w.judge(B, False, 2.0, session="fine", session_calls=8)  # a ninth call, late
+    w.judge(Verdict(B, False, session="fine", session_calls=8), 2.0)  # a ninth call, late
     assert w.attainment(B, 2.0) == pytest.approx((0.0, 21))
 
 

@@ -14,14 +14,14 @@ from nats.aio.msg import Msg
 from api.calls import CallLine, Restarted, follow_call
 from api.metrics import FrontDoorMetrics
 from api.replies import ReplyEvent, ReplyRouter, ReplyStream
-from broker.admission.objectives import Objective
+from broker.admission.objectives import Objective, Verdict
 from broker.admission.signals import FleetSignals
 from broker.errors import WorkerLost
 from broker.fleet import FleetView
 from broker.publisher import CallPublisher
 from broker.settings import StreamSettings
 from broker.streams import provision_calls
-from schemas.vocab import ErrorCode, FinishReason, Tier
+from schemas.vocab import ErrorCode, FinishReason
 from schemas.wire import (
     Done,
     Failed,
@@ -127,7 +127,7 @@ async def followed(
     stream: bool,
     events: list[ReplyEvent],
     objective: Objective | None = None,
-    judge: Callable[[Tier, bool, str, int, float | None], None] = lambda *_: None,
+    judge: Callable[[Verdict], None] = lambda _: None,
     before_answer: Callable[[], Awaitable[None]] | None = None,
 ) -> list[ReplyEvent]:
     """Publish a call through ``follow_call`` on real NATS, answer it with ``events`` as its
@@ -188,8 +188,8 @@ async def test_a_call_not_started_within_its_first_token_objective_is_judged_the
     verdicts: list[bool] = []
     judged = asyncio.Event()
 
-    def judge(tier: Tier, met: bool, session: str, calls: int, admitted_s: float | None) -> None:
-        verdicts.append(met)
+    def judge(verdict: Verdict) -> None:
+        verdicts.append(verdict.met)
         judged.set()
 
     async def wait_for_the_verdict() -> None:
@@ -221,6 +221,6 @@ async def test_a_call_answered_in_time_is_judged_once_when_it_ends(nc: NATS) -> 
         stream=True,
         events=[tok(0, "a"), done],
         objective=objective,
-        judge=lambda tier, met, *_: verdicts.append(met),
+        judge=lambda verdict: verdicts.append(verdict.met),
     )
     assert verdicts == [True]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from opentelemetry.trace import Span
 
 from broker.admission.metrics import AdmissionMetrics
-from broker.admission.objectives import ObjectiveWindows, SessionPace, WindowBounds
+from broker.admission.objectives import ObjectiveWindows, SessionPace, Verdict, WindowBounds
 from broker.admission.policy import (
     AdmissionDecision,
     AdmissionPolicy,
@@ -245,24 +245,9 @@ class Admitter:
             self.metrics.window.labels(tier.value).set(window)
         self.metrics.overcommit.set(self.windows.group_factors()[0])
 
-    def judge_call(
-        self,
-        tier: Tier,
-        met: bool,
-        session_id: str,
-        session_calls: int,
-        admitted_s: float | None = None,
-    ) -> None:
-        """An ended call of an admitted session, judged against its objectives; the session
-        declared ``session_calls`` calls and was admitted at ``admitted_s`` (epoch seconds)."""
-        self.windows.judge(
-            tier,
-            met,
-            time.time(),
-            session=session_id,
-            session_calls=session_calls,
-            admitted_s=admitted_s,
-        )
+    def judge_call(self, verdict: Verdict) -> None:
+        """A call of an admitted session, judged against its objectives."""
+        self.windows.judge(verdict, time.time())
 
     def _unseen_tokens(self, snapshot: FleetSnapshot, now_ms: int) -> int:
         """Tokens reserved by this replica's admissions that the newest worker reading in

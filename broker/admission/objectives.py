@@ -92,6 +92,21 @@ class Objective:
 
 
 @dataclass(frozen=True, slots=True)
+class Verdict:
+    """One call of an admitted session judged against its tier's objectives: when it ended, or
+    when its first-token objective ran out before a worker started it."""
+
+    tier: Tier
+    met: bool
+    session: str | None = None
+    """Its session; ``None``: the call is a session of its own (module doc)."""
+    session_calls: int = 1
+    """The calls its session declared."""
+    admitted_s: float | None = None
+    """When its session was admitted (epoch seconds, the windows' clock); ``None``: not known."""
+
+
+@dataclass(frozen=True, slots=True)
 class WindowBounds:
     floor: float = 1.0
     """The operator's static over-commit (``KVGATE_ADMISSION_KV_OVERCOMMIT``)."""
@@ -159,21 +174,11 @@ class ObjectiveWindows:
         self._cut_at: dict[Tier, float] = {}
         """When each tier was last cut; a tier in it is past its slow start."""
 
-    def judge(
-        self,
-        tier: Tier,
-        met: bool,
-        now_s: float,
-        *,
-        session: str | None = None,
-        session_calls: int = 1,
-        admitted_s: float | None = None,
-    ) -> None:
-        """One ended call of an admitted session, met or missed. ``session`` names the
-        session, ``session_calls`` the calls it declared and ``admitted_s`` when it was
-        admitted (on the clock of ``now_s``; ``None`` when not known); without a session the
-        call is a session of its own (module doc)."""
-        if admitted_s is not None and admitted_s < self._cut_at.get(tier, -math.inf):
+    def judge(self, verdict: Verdict, now_s: float) -> None:
+        """One judged call (``Verdict``), at ``now_s``."""
+        tier, met, session = verdict.tier, verdict.met, verdict.session
+        cut_at = self._cut_at.get(tier, -math.inf)
+        if verdict.admitted_s is not None and verdict.admitted_s < cut_at:
             return  # admitted under an earlier window: no evidence about this one (module doc)
         if session is None:
             self._judged[tier].append(_Judged(now_s, 1.0, 0.0 if met else 1.0))
@@ -185,7 +190,7 @@ class ObjectiveWindows:
         if so_far.missed:
             self._judged[tier].append(_Judged(now_s, 0.0, 0.0))  # still a call judged
         elif met:
-            share = min(1.0 / max(session_calls, 1), 1.0 - so_far.counted)
+            share = min(1.0 / max(verdict.session_calls, 1), 1.0 - so_far.counted)
             so_far.counted += share
             self._judged[tier].append(_Judged(now_s, share, 0.0))
         else:
