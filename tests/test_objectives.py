@@ -93,10 +93,10 @@ def test_room_grows_a_binding_window_fast_until_its_first_cut_and_not_after() ->
     assert w.windows[B] == pytest.approx(1.5)
     w.step(1.0, room=True)  # nobody was turned away: room alone grows nothing
     assert w.windows[B] == pytest.approx(1.5)
-    for t in range(2, 10):
+    for t in range(2, 5):
         w.bound(2)
         w.step(float(t), room=True)
-    assert w.windows[B] == 2.0  # no further than slow start's threshold
+    assert w.windows[B] == 2.0  # no further than slow start's threshold on passing room
     judge(w, B, met=0, missed=10, at_s=10.0)
     w.step(10.0)
     assert w.windows[B] == pytest.approx(1.4)
@@ -106,6 +106,42 @@ def test_room_grows_a_binding_window_fast_until_its_first_cut_and_not_after() ->
         w.bound(2)
         w.step(float(t), room=True)
     assert w.windows[B] == pytest.approx(1.4)
+
+
+def test_sustained_room_grows_a_binding_window_past_slow_start_and_after_a_cut() -> None:
+    """Sessions that idle between turns (tools running) reserve far more than they use: the
+    fleet has room for seconds on end while sessions are turned away, and only growth on that
+    room finds the window such a workload needs (loadtests/results/tools-2484832)."""
+    bounds = replace(BOUNDS, room_hold_s=5.0, sustained_room_per_s=0.1, increase_per_s=0.0)
+    w = ObjectiveWindows(bounds)
+    w.windows.update({G: 2.0, S: 2.0, B: 2.0})  # slow start done
+    for t in range(5):
+        w.bound(2)
+        w.step(float(t), room=True)
+    assert w.windows[B] == 2.0  # room for 4 s: not yet sustained
+    w.bound(2)
+    w.step(5.0, room=True)
+    assert w.windows[B] == pytest.approx(2.2)  # 10% of the window a second
+    w.step(6.0, room=False)  # a moment without room starts the hold over
+    for t in range(7, 12):
+        w.bound(2)
+        w.step(float(t), room=True)
+    assert w.windows[B] == pytest.approx(2.2)
+    w.bound(2)
+    w.step(12.0, room=True)
+    assert w.windows[B] == pytest.approx(2.42)
+    # A cut starts it over too, whatever room the fleet has in the step of the cut.
+    judge(w, B, met=0, missed=10, at_s=12.0)
+    w.bound(2)
+    w.step(12.5, room=True)
+    assert w.windows[B] == pytest.approx(2.42 * 0.7)
+    for t in range(13, 18):
+        w.bound(2)
+        w.step(float(t), room=True)
+    assert w.windows[B] == pytest.approx(2.42 * 0.7)  # 4.5 s of room since the cut
+    w.bound(2)
+    w.step(18.0, room=True)
+    assert w.windows[B] == pytest.approx(2.42 * 0.7 * 1.1)  # 5 s: sustained again
 
 
 def test_calls_of_sessions_admitted_before_a_cut_are_no_evidence_after_it() -> None:

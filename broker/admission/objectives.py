@@ -41,14 +41,22 @@ factor on the fleet's KV capacity, moves by additive increase and multiplicative
   threshold). Misses are judged seconds after the sessions behind them were admitted, so an
   unbounded slow start ran on to 3.6-4 before its first cut, and the sessions admitted on the
   way missed (``loadtests/results/paced-windows``);
-- past that threshold, or after a tier's first cut, its windows grow only by ``increase_per_s``
-  a second, and only while the tier's judged calls show it meeting its target (at least
-  ``min_calls`` of them). The effect of a wider window shows only once the sessions it
-  admitted have run, a median of about 8 s in the CPU sweep: the growth is paced to that
-  delay (0.05 a second adds 0.4 in a round trip), and room seen in the quiet after a burst is
-  not evidence (growing on it returned a window to the factor its misses had come from within
-  a second, ``loadtests/results/overcommit-cap``). Capacity nobody asks for is not grown into,
-  so a quiet fleet keeps what it learned;
+- past that threshold, or after a tier's first cut, its windows grow by ``increase_per_s`` a
+  second while the tier's judged calls show it meeting its target (at least ``min_calls`` of
+  them). The effect of a wider window shows only once the sessions it admitted have run, a
+  median of about 8 s in the CPU sweep: the growth is paced to that delay (0.05 a second adds
+  0.4 in a round trip), and room seen in the quiet after a burst is not evidence (growing on
+  it returned a window to the factor its misses had come from within a second,
+  ``loadtests/results/overcommit-cap``). Capacity nobody asks for is not grown into, so a
+  quiet fleet keeps what it learned;
+- room that lasts is evidence: while the fleet has had room at every step for
+  ``room_hold_s``, with no cut since, binding windows grow by ``sustained_room_per_s`` of
+  their value a second, past the threshold and after a cut. Agents that wait seconds for their
+  tools reserve far more than they use: at a window of 2-4.7 the fleet had room 83-96% of the
+  time, ran 2-4 of its 16 sequences with 15-28% of its KV in use, and turned away 31-48% of
+  sessions (``loadtests/results/tools-2484832``), while 0.05 a second took 200 s to bring the
+  window from 2 to 4.7. The hold is meant to outlast the quiet after a burst: the sessions
+  admitted in the burst come back for their next turns within seconds;
 - a call of a session admitted before its tier's last cut is not evidence about the window the
   cut left: its verdicts are not counted for the tier. Otherwise the misses of the sessions
   admitted under the wide window would go on cutting the narrower one for a round trip
@@ -133,6 +141,12 @@ class WindowBounds:
     room_increase_per_s: float = 1.0
     """In slow start, growth (a share of the window a second) of a binding window while the
     fleet has room."""
+    room_hold_s: float = 5.0
+    """Room is sustained once the fleet has had it at every step for this long, and not since
+    a cut (module doc)."""
+    sustained_room_per_s: float = 0.1
+    """Past slow start and after a cut, growth (a share of the window a second) of a binding
+    window while room is sustained."""
     start: float | None = None
     """The windows' first value; the floor when unset (nothing learned yet)."""
 
@@ -173,6 +187,8 @@ class ObjectiveWindows:
         self._last_s: float | None = None
         self._cut_at: dict[Tier, float] = {}
         """When each tier was last cut; a tier in it is past its slow start."""
+        self._room_since: float | None = None
+        """Since when the fleet has had room at every step, with no cut since."""
 
     def judge(self, verdict: Verdict, now_s: float) -> None:
         """One judged call (``Verdict``), at ``now_s``."""
@@ -230,6 +246,11 @@ class ObjectiveWindows:
         b = self.bounds
         elapsed = 0.0 if self._last_s is None else max(0.0, now_s - self._last_s)
         self._last_s = now_s
+        if not room:
+            self._room_since = None
+        elif self._room_since is None:
+            self._room_since = now_s
+        sustained = self._room_since is not None and now_s - self._room_since >= b.room_hold_s
         cut_from: int | None = None
         for i, tier in enumerate(TIERS_BY_PRIORITY):
             if self.violated(tier, now_s):
@@ -254,8 +275,15 @@ class ObjectiveWindows:
                     rate = max(b.slow_start_per_s, b.room_increase_per_s if room else 0.0)
                     grown = window * (1 + rate * elapsed)
                     self.windows[tier] = min(b.ceiling, b.slow_start_until, grown)
-                elif self.meeting(tier, now_s):
-                    self.windows[tier] = min(b.ceiling, window + b.increase_per_s * elapsed)
+                    continue
+                grown = window
+                if sustained:
+                    grown = window * (1 + b.sustained_room_per_s * elapsed)
+                if self.meeting(tier, now_s):
+                    grown = max(grown, window + b.increase_per_s * elapsed)
+                self.windows[tier] = min(b.ceiling, grown)
+        if cut_from is not None:
+            self._room_since = None  # the quiet after the burst that caused it is no room
         self._bound_group = None
         self._forget_sessions(now_s)
         return dict(self.windows)
