@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 from nats.aio.client import Client as NATS
@@ -197,12 +197,14 @@ class _CallObservation:
         self._metrics = line.metrics
         self._judge_call = line.judge
         self._objective = objective
-        self._session_id = call.session_id
-        self._session_calls = session_calls
-        self._session_admitted_s = (
-            None if session_admitted_ms is None else session_admitted_ms / 1000
+        # What the verdict says of the call besides whether it met its objective, known now.
+        self._verdict = Verdict(
+            call.tier,
+            met=False,
+            session=call.session_id,
+            session_calls=session_calls,
+            admitted_s=None if session_admitted_ms is None else session_admitted_ms / 1000,
         )
-        self._call_tier = call.tier
         self._tier = call.tier.value
         self._created_s = call.created_ms / 1000
         self._published: float | None = None
@@ -278,15 +280,7 @@ class _CallObservation:
         if self._judged:
             return
         self._judged = True
-        self._judge_call(
-            Verdict(
-                self._call_tier,
-                met,
-                self._session_id,
-                self._session_calls,
-                self._session_admitted_s,
-            )
-        )
+        self._judge_call(replace(self._verdict, met=met))
         self._metrics.objective_met.labels(self._tier, "yes" if met else "no").inc()
 
     def ended(self, outcome: str) -> None:

@@ -337,7 +337,13 @@ class Worker:
             relay = ResultRelay(self.nc.jetstream(), result_subject, envelope.call_id, attempt)
         else:
             assert inbox is not None
-            relay = ReplyRelay(self.nc, inbox, attempt, self.settings.worker_id)
+            relay = ReplyRelay(
+                self.nc,
+                inbox,
+                attempt,
+                self.settings.worker_id,
+                gather_tokens=self.settings.stream_gather_tokens,
+            )
         call_id = envelope.call_id
         if self._core.holds(call_id) or call_id in self._preparing:
             # A second delivery while the first is still here: its ack wait lapsed (preparing a
@@ -387,9 +393,7 @@ class Worker:
             prepared = await self.engine.prepare(request)
         except EngineRequestError as exc:
             spans.refused(exc.code.value)
-            self.counters.failed += 1  # an error its caller sees, as when refused mid-run
-            await relay.fail(exc.code, str(exc), exc.param)
-            await self._settle(msg, Settle.TERM)
+            await self._engine_refused(msg, relay, exc)
             return
         except EngineError as exc:
             spans.refused("engine_error")
@@ -538,9 +542,7 @@ class Worker:
             await self._stopped(call)
         except EngineRequestError as exc:
             spans.failed(exc)
-            await relay.fail(exc.code, str(exc), exc.param)
-            await self._settle(msg, Settle.TERM)
-            self.counters.failed += 1
+            await self._engine_refused(msg, relay, exc)
         except EngineDeadError as exc:
             # Hand the call back for another worker, then stop this one: nothing more can run.
             log.error("engine died: %s", exc)
@@ -569,6 +571,14 @@ class Worker:
             # Drain past its grace: another worker takes the call over.
             self.counters.handed_back += 1
             await call.msg.nak()
+
+    async def _engine_refused(self, msg: Msg, relay: Relay, exc: EngineRequestError) -> None:
+        """Ends a call the serving layer refused (a bad field, a prompt too long), on arrival or
+        mid-run: its caller is told why, and it is not delivered again, since it would be
+        refused again."""
+        self.counters.failed += 1
+        await relay.fail(exc.code, str(exc), exc.param)
+        await self._settle(msg, Settle.TERM)
 
     async def _engine_failed(self, msg: Msg, relay: Relay, exc: EngineError) -> None:
         attempt = int(msg.metadata.num_delivered or 1)
