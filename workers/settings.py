@@ -195,6 +195,12 @@ class WorkerSettings(BaseSettings):
         description="how often a held call's caller is asked whether it still waits; a call"
         " whose front door is gone is ended (0: never asked)",
     )
+    stream_gather_tokens: int = Field(
+        default=8,
+        ge=1,
+        description="tokens of a streamed answer sent in one event once its first ones have "
+        "gone one by one (workers.relay.ReplyRelay; 1: every token its own event)",
+    )
     engine: EngineSettings = Field(default_factory=EngineSettings)
     headroom: HeadroomSettings = Field(default_factory=HeadroomSettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)
