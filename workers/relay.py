@@ -37,15 +37,16 @@ class ReplyRelay:
     sees two endings for one attempt.
 
     Gathers a streamed answer's text into events of ``gather_tokens`` tokens: each event costs a
-    NATS message, a front door's dispatch and an SSE write, and one per token made streamed
-    calls decode a third slower than unstreamed ones on the CPU engine (README, "The serving
-    layer"). The first ``gather_tokens`` tokens still go one by one, as they come: the first
-    token's text may be empty (held back by the detokenizer or a tool-call parser), and the
-    first visible text must not wait for a gathering. vLLM's own ``--stream-interval`` gathers
-    from the second token on, and so delayed the first text of 18% of calls by a whole
-    interval (``loadtests/results/stream-interval``). What a relay holds goes before its
-    terminal event; an event without text (a non-streamed call's progress) goes at once, with
-    what is held."""
+    NATS message, a front door's dispatch, an SSE write and the client's parse, and gathering 8
+    halved the front door's and the client's CPU per streamed token
+    (``loadtests/results/stream-gather``). The first ``gather_tokens`` tokens still go one by
+    one, as they come: the first token's text may be empty (held back by the detokenizer or a
+    tool-call parser), and the first visible text must not wait for a gathering. vLLM's own
+    ``--stream-interval`` gathers from the second token on, and so delayed the first text of
+    18% of calls by a whole interval (``loadtests/results/stream-interval``). Held text waits
+    for the engine's next output: a model that decodes slowly shows it in bursts (1 streams
+    every token, for people watching). What a relay holds goes before its terminal event; an
+    event without text (a non-streamed call's progress) goes at once, with what is held."""
 
     def __init__(
         self, nc: NATS, inbox: str, attempt: int, worker_id: str, gather_tokens: int = 1
