@@ -37,19 +37,19 @@ def cluster(tmp_path: Path) -> Iterator[NatsCluster]:
 
 async def replicas_of(cluster: NatsCluster) -> dict[str, int]:
     """Replicas of every stream, consumer and the bucket, as the cluster reports them (the
-    leader and its peers: what is actually replicated, not what was asked)."""
+    leader and its peers: what is actually replicated, not what was asked). 0 for one that
+    reports no cluster: while it is scaled, a consumer can answer between two leaders (seen in
+    CI), which is "not yet", not a failure."""
     async with cluster.client() as nc:
         js = nc.jetstream(timeout=5)
         found: dict[str, int] = {}
         for stream in (STREAM_NAME, RESULTS_STREAM, f"KV_{WORKERS_BUCKET}"):
             info = await js.stream_info(stream)
-            assert info.cluster is not None
-            found[stream] = 1 + len(info.cluster.replicas or [])
+            found[stream] = 0 if info.cluster is None else 1 + len(info.cluster.replicas or [])
         for tier in TIERS_BY_PRIORITY:
             name = consumer_name(tier, MODEL)
-            info_c = await js.consumer_info(STREAM_NAME, name)
-            assert info_c.cluster is not None
-            found[name] = 1 + len(info_c.cluster.replicas or [])
+            placed = (await js.consumer_info(STREAM_NAME, name)).cluster
+            found[name] = 0 if placed is None else 1 + len(placed.replicas or [])
         return found
 
 
