@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 
 # How long a per-sequence speed reading counts towards a worker's fastest recent speed.
 SPEED_WINDOW_MS = 60_000
+# The shortest span a speed is measured over. A busy worker beats every half second or so
+# (``WorkerSettings.reading_interval_s``); over so short a span, the running count at its two
+# ends says little of the sequences between them, and the fastest of the minute's readings
+# would be an outlier, not a speed a session can count on.
+SPEED_SPAN_MS = 1_500
 
 
 FORGOTTEN_AFTER_MS = 10 * 60 * 1000
@@ -34,6 +39,8 @@ class FleetView:
         self.max_age_ms = int(max_age_s * 1000)
         self._workers: dict[str, WorkerHeartbeat] = {}
         self._speeds: dict[str, deque[tuple[int, float]]] = {}
+        self._span_start: dict[str, WorkerHeartbeat] = {}
+        """Each worker's heartbeat that the speed span now being measured began with."""
         # The fastest of each worker's readings, kept here because every admission decision
         # reads it and heartbeats arrive far less often than decisions.
         self._fastest: dict[str, float] = {}
@@ -48,6 +55,7 @@ class FleetView:
             if self._workers.pop(key, None) is not None:
                 self.members += 1
             self._speeds.pop(key, None)
+            self._span_start.pop(key, None)
             self._fastest.pop(key, None)
             return
         try:
@@ -56,8 +64,12 @@ class FleetView:
             log.warning("ignoring malformed heartbeat under key %r", key)
             return
         previous = self._workers.get(key)
-        if previous is not None and heartbeat.sent_ms > previous.sent_ms:
-            self._measure_speed(key, previous, heartbeat)
+        start = self._span_start.setdefault(key, heartbeat)
+        if heartbeat.sent_ms < start.sent_ms:
+            self._span_start[key] = heartbeat  # the worker's clock went back: begin again
+        elif heartbeat.sent_ms - start.sent_ms >= SPEED_SPAN_MS:
+            self._measure_speed(key, start, heartbeat)
+            self._span_start[key] = heartbeat
         if (
             previous is None
             or previous.draining != heartbeat.draining
@@ -67,7 +79,7 @@ class FleetView:
         self._workers[key] = heartbeat
 
     def _measure_speed(self, key: str, before: WorkerHeartbeat, now: WorkerHeartbeat) -> None:
-        """Decode speed per sequence over one heartbeat interval, counted only when the engine
+        """Decode speed per sequence over one span of heartbeats, counted only when the engine
         ran calls at both ends of it: an interval that was idle for most of its length would
         read as a crawl and get sessions rejected as unable to meet their deadlines."""
         produced = now.generated_tokens - before.generated_tokens

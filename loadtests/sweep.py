@@ -55,6 +55,7 @@ from loadtests.workload import (
     generate,
 )
 from schemas.vocab import Tier
+from workers.settings import WorkerSettings
 
 LOADS = (0.5, 1.0, 2.0, 4.0)
 SAMPLE_INTERVAL_S = 0.25
@@ -98,7 +99,10 @@ class Profile:
     probe: the objectives and the sessions' deadlines derive from them, so runs compared side
     by side (with ``capacity`` given too) judge the same traces by the same numbers."""
     probe_calls: int = 20
-    heartbeat_s: float = 0.5
+    heartbeat_s: float = WorkerSettings.model_fields["heartbeat_interval_s"].default
+    """The kvgate worker's heartbeat interval: the worker's own default, so that admission
+    reads the fleet as deployed (until 2026-12-06 the harness ran 0.5 s, four times fresher
+    than the default: loadtests/results/readings-on-change)."""
     seed: int = 7
     modes: tuple[Mode, ...] = (Mode.DIRECT, Mode.KVGATE_CALL, Mode.KVGATE_SESSION)
     sources: dict[str, str] = field(default_factory=dict)
@@ -764,6 +768,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-blocks", type=int, dest="engine_blocks")
     parser.add_argument("--seed", type=int)
     parser.add_argument(
+        "--heartbeat",
+        type=float,
+        dest="heartbeat_s",
+        help="kvgate worker's heartbeat interval, s (default: the worker's own)",
+    )
+    parser.add_argument(
         "--modes", help="comma-separated: " + ", ".join(m.value for m in Mode) + " (default all)"
     )
     return parser
@@ -780,6 +790,7 @@ def profile_from(args: argparse.Namespace) -> Profile:
         "tpot_factor": args.tpot_factor,
         "engine_blocks": args.engine_blocks,
         "seed": args.seed,
+        "heartbeat_s": args.heartbeat_s,
     }
     for name, value in given.items():
         if value is not None:

@@ -8,19 +8,20 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js.errors import KeyNotFoundError as KeyValueNotFoundError
 from nats.js.errors import NotFoundError
 
 import workers.worker as worker_module
 from broker.natsserver import EmbeddedNats
 from broker.publisher import CallPublisher
 from broker.settings import StreamSettings
-from broker.streams import provision_calls
+from broker.streams import provision_calls, workers_bucket
 from schemas.vocab import ErrorCode, Tier
 from schemas.wire import (
     STREAM_NAME,
@@ -28,9 +29,11 @@ from schemas.wire import (
     Done,
     Failed,
     TokenDelta,
+    WorkerHeartbeat,
     call_subject,
     consumer_name,
     decode_event,
+    decode_heartbeat,
     encode,
 )
 from tests.calls import make_call
@@ -780,3 +783,68 @@ async def test_an_engine_error_on_arrival_is_reported_after_the_last_attempt(
     failed = await ended_on_arrival(harness, engine, "engine-arrival")
     assert (failed.code, failed.attempt) == (ErrorCode.ENGINE_ERROR, LONG_ACK_WAIT.max_deliver)
     assert engine.prepared == LONG_ACK_WAIT.max_deliver
+
+
+async def heartbeats_of(
+    harness: Harness, worker: Worker
+) -> Callable[[], Awaitable[WorkerHeartbeat | None]]:
+    """Reads ``worker``'s last heartbeat from the workers' bucket (None before its first)."""
+    bucket = await workers_bucket(harness.js, STREAM)
+
+    async def reading() -> WorkerHeartbeat | None:
+        with contextlib.suppress(KeyValueNotFoundError):
+            entry = await bucket.get(worker.settings.worker_id)
+            return decode_heartbeat(entry.value) if entry.value else None
+        return None
+
+    return reading
+
+
+async def test_a_worker_beats_when_its_calls_start_and_end_not_only_on_its_interval(
+    harness: Harness,
+) -> None:
+    # Admission reads what a worker has not committed from its last heartbeat. With an
+    # interval far past this test, every beat after the first is one the worker put because
+    # a call was staged, started or ended.
+    worker = await harness.start_worker(
+        SimEngineConfig(step_s=0.02),
+        heartbeat_interval_s=4 * EVENT_BOUND_S,
+        reading_interval_s=0.05,
+    )
+    await harness.doorbells_open()
+    reading = await heartbeats_of(harness, worker)
+    idle = await poll_until(reading, lambda hb: hb is not None, timeout_s=EVENT_BOUND_S)
+    assert idle is not None and (idle.num_running, idle.committed_tokens) == (0, 0)
+    inbox = await harness.send(call("seen", max_tokens=250))  # 5 s of tokens
+    busy = await poll_until(
+        reading,
+        lambda hb: hb is not None and hb.num_running == 1,
+        timeout_s=EVENT_BOUND_S,
+        interval_s=0.02,
+    )
+    assert busy is not None and busy.committed_tokens > 0
+    await asyncio.wait_for(inbox.ended.wait(), EVENT_BOUND_S)
+    after = await poll_until(
+        reading,
+        lambda hb: hb is not None and hb.num_running == 0,
+        timeout_s=EVENT_BOUND_S,
+        interval_s=0.02,
+    )
+    assert after is not None and after.committed_tokens == 0
+
+
+async def test_a_quiet_worker_beats_only_on_its_interval(harness: Harness) -> None:
+    worker = await harness.start_worker(
+        heartbeat_interval_s=4 * EVENT_BOUND_S, reading_interval_s=0.05
+    )
+    await harness.doorbells_open()
+    bucket = await workers_bucket(harness.js, STREAM)
+
+    async def revision() -> int | None:
+        with contextlib.suppress(KeyValueNotFoundError):
+            return (await bucket.get(worker.settings.worker_id)).revision
+        return None
+
+    first = await poll_until(revision, lambda r: r is not None, timeout_s=EVENT_BOUND_S)
+    await asyncio.sleep(QUIET_WINDOW_S)  # ten reading intervals with nothing staged or run
+    assert await revision() == first

@@ -176,6 +176,12 @@ class WorkerSettings(BaseSettings):
         default_factory=default_worker_id, description="default: host, process id and a suffix"
     )
     heartbeat_interval_s: float = Field(default=2.0, gt=0, description="between heartbeats")
+    reading_interval_s: float = Field(
+        default=0.5,
+        gt=0,
+        description="the soonest a heartbeat follows the last one when calls were staged,"
+        " started or ended since (at most heartbeat_interval_s)",
+    )
     pull_expires_s: float = Field(
         default=10.0,
         gt=0.1,

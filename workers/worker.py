@@ -791,9 +791,30 @@ class Worker:
                 self._kv = await workers_bucket(self.nc.jetstream(), self.settings.stream)
 
     async def _heartbeat_loop(self) -> None:
+        """A heartbeat every ``heartbeat_interval_s``, and one as soon as calls were staged,
+        started or ended since the last, but no sooner than ``reading_interval_s`` after it.
+        Admission reads what a worker has not committed from its last heartbeat, and counts a
+        session it admitted after that reading as holding its whole reservation: with calls of
+        about a second, readings 2 s apart showed the fleet fuller than it was, and deferred
+        sessions the engine had room for. A quiet worker still beats every
+        ``heartbeat_interval_s``; a busy one beats up to once a ``reading_interval_s``, which
+        is what a large fleet pays for (docs/scale.md)."""
+        every_s = self.settings.heartbeat_interval_s
+        soonest_s = min(self.settings.reading_interval_s, every_s)
         while True:
             await self._put_heartbeat()
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            put_at = time.monotonic()
+            seen = self._load_mark()
+            while True:
+                left_s = every_s - (time.monotonic() - put_at)
+                await asyncio.sleep(max(0.0, min(soonest_s, left_s)))
+                if left_s <= soonest_s or self._load_mark() != seen:
+                    break
+
+    def _load_mark(self) -> tuple[int, int, int]:
+        """Moves whenever a call is staged, started or ended: what a heartbeat tells
+        admission has changed."""
+        return (len(self._calls), self._core.staged_count, self.counters.started)
 
     async def _remove_heartbeat(self) -> None:
         if self._kv is not None:
