@@ -802,9 +802,9 @@ class Worker:
         every_s = self.settings.heartbeat_interval_s
         soonest_s = min(self.settings.reading_interval_s, every_s)
         while True:
+            seen = self._load_mark()  # before the beat is built: a change during its put counts
             await self._put_heartbeat()
             put_at = time.monotonic()
-            seen = self._load_mark()
             while True:
                 left_s = every_s - (time.monotonic() - put_at)
                 await asyncio.sleep(max(0.0, min(soonest_s, left_s)))
