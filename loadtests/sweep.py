@@ -43,7 +43,14 @@ from loadtests import report
 from loadtests.agent import Agent, Mode, SessionOutcome, Target
 from loadtests.capacity import CapacitySearch
 from loadtests.metrics import Objectives, latency_summary, spread, summarize
-from loadtests.targets import DirectVllm, EngineConfig, KvgateStack, Sample
+from loadtests.targets import (
+    TERMINATED_EXIT,
+    DirectVllm,
+    EngineConfig,
+    KvgateStack,
+    Sample,
+    run_until_terminated,
+)
 from loadtests.workload import (
     CallSpec,
     ClientKind,
@@ -822,7 +829,10 @@ def main(argv: list[str] | None = None) -> int:
         build(model, DevModelSpec())
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     run_dir = Path(args.out) if args.out else Path("loadtests/runs") / stamp
-    summary = asyncio.run(Sweep(profile, model, run_dir).run())
+    summary = run_until_terminated(Sweep(profile, model, run_dir).run())
+    if summary is None:
+        print("terminated: the processes it started are stopped", file=sys.stderr)
+        return TERMINATED_EXIT
     print(report.table(summary))
     print(f"\nrun folder: {run_dir}")
     return 0

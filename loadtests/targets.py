@@ -18,18 +18,48 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import sqlite3
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
 from broker.procs import Proc, free_port
 from kvgate.cli import COMMAND
 from workers.settings import worker_env
+
+T = TypeVar("T")
+
+TERMINATED_EXIT = 128 + signal.SIGTERM
+"""The exit status of a harness that SIGTERM stopped, as a shell reports a process it killed."""
+
+
+def run_until_terminated(work: Coroutine[Any, Any, T]) -> T | None:
+    """``asyncio.run(work)``, SIGTERM cancelling it; ``None`` when it did. By default SIGTERM
+    ends the harness at once and its ``finally`` blocks never run, so the engine, NATS, the
+    front door and the worker it started (each in a process group of its own) kept running;
+    cancelled, those blocks stop them. Ctrl-C reaches the whole group and needs none of this."""
+
+    async def cancelled_on_sigterm() -> T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            return await work
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    try:
+        return asyncio.run(cancelled_on_sigterm())
+    except asyncio.CancelledError:
+        return None
+
 
 CODE_UNDER_TEST_ENV = {"PYTHONSAFEPATH": "1"}
 """For kvgate's processes started by the harness: import kvgate from ``PYTHONPATH`` where it
