@@ -161,7 +161,7 @@ class ApiSettings(BaseSettings):
     admission_objective_target: float = Field(default=0.97, gt=0, le=1)
     # How long `POST /v1/sessions` may hold a session that does not fit now, waiting for room,
     # before it answers 503 with Retry-After; a session may ask for less (`max_wait_s`), and is
-    # never held for more than a quarter of its deadline.
+    # never held for more than half its deadline.
     admission_max_wait_s: float = Field(default=2.0, ge=0, le=60)
     # A session is admitted only if it could finish within its deadline divided by this at the
     # fastest decode speed the fleet shows (1: only what cannot finish even at best is

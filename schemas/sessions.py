@@ -40,7 +40,7 @@ class SessionCreate(BaseModel):
     """How long the front door may hold this request waiting for room when the session does
     not fit now, before it answers 503 with ``Retry-After``; 0 answers at once. Defaults to
     the front door's ``admission_max_wait_s``, which is also the most that may be asked; a
-    session is never held for more than a quarter of its deadline."""
+    session is never held for more than half its deadline."""
     metadata: dict[str, MetadataValue] = Field(default_factory=dict, max_length=METADATA_MAX_PAIRS)
 
     @field_validator("metadata")

@@ -430,6 +430,26 @@ def test_a_first_turn_that_the_workers_cannot_start_now_is_deferred() -> None:
     )
 
 
+def test_a_queue_or_a_first_turn_that_cannot_start_asks_back_after_one_call() -> None:
+    # Calls of 50 output tokens; the fastest sequence decodes 25 tokens/s: calls in flight
+    # end within 2 s, so the session is asked back then, not after the 5 s default.
+    def retry_after(f: FleetSnapshot) -> int | None:
+        decision, reason, retry = run(need(Tier.STANDARD), f=f, jitter=0.5)
+        assert (decision, reason) == (Decision.DEFER, Reason.FLEET_SATURATED)
+        return retry
+
+    speed = 25.0
+    staged = fleet(replace(worker(seq_tokens_per_s=speed), staged=1))
+    committed = fleet(replace(worker(seq_tokens_per_s=speed), committed_tokens=9_500))
+    assert retry_after(staged) == retry_after(committed) == 2  # 50 / 25 s, jitter 1.0
+    # A fleet that has shown no speed yet: the default.
+    unmeasured = fleet(replace(worker(), committed_tokens=9_500))
+    assert retry_after(unmeasured) == POLICY.default_retry_after_s == 5
+    # A fleet reserved full is asked back by its release rate, as before.
+    full = holdings(guaranteed=9_500, release_rate=100.0)
+    assert run(need(Tier.GUARANTEED), f=committed, h=full, jitter=0.0)[2] == 4
+
+
 def test_a_full_fleet_defers_guaranteed_with_fleet_saturated() -> None:
     full = holdings(guaranteed=9_500)
     assert run(need(Tier.GUARANTEED), h=full)[:2] == (Decision.DEFER, Reason.FLEET_SATURATED)

@@ -540,6 +540,59 @@ async def test_a_session_that_does_not_fit_now_is_held_until_room_frees(
     assert (held_s[2] or 0) >= HELD_FOR_S and (held_s[3] or 0) >= HOLD_S
 
 
+async def held_now(client: httpx.AsyncClient) -> float:
+    text = (await client.get("/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return families["kvgate_admission_held_sessions"].samples[0].value
+
+
+async def until_held(client: httpx.AsyncClient, count: int) -> None:
+    await poll_until(lambda: held_now(client), lambda n: n == count, timeout_s=SETTLE_BOUND_S)
+
+
+async def test_held_sessions_get_the_room_that_frees_in_order_of_their_deadlines(
+    fixed_door: Door,
+) -> None:
+    # Two sessions of 8 x 150 fill standard's 3,276 tokens; two more are held, the one with
+    # the later deadline first. Room for one frees: the earlier deadline gets it.
+    wide = session_body(max_parallel=8, min_parallel=8, max_wait_s=8)
+    async with fixed_door.client() as client:
+        admitted = [await client.post("/v1/sessions", json=wide) for _ in range(2)]
+        late = asyncio.create_task(client.post("/v1/sessions", json={**wide, "deadline_s": 60}))
+        await until_held(client, 1)
+        early = asyncio.create_task(client.post("/v1/sessions", json={**wide, "deadline_s": 40}))
+        await until_held(client, 2)
+        await client.delete(f"/v1/sessions/{admitted[0].json()['id']}")
+        first = await early
+        await until_held(client, 1)
+        assert not late.done()  # still held: the room went to the earlier deadline
+        await client.delete(f"/v1/sessions/{first.json()['id']}")
+        second = await late
+        for resp in (admitted[1], second):
+            await client.delete(f"/v1/sessions/{resp.json()['id']}")
+    assert [r.status_code for r in (*admitted, first, second)] == [201] * 4, second.text
+
+
+async def test_a_session_behind_a_held_one_that_does_not_fit_is_admitted_if_it_fits(
+    fixed_door: Door,
+) -> None:
+    # 2 x 1,200 reserved leaves 876 tokens: a held session of 1,200 does not fit, and a new one
+    # of 2 x 150 that goes behind it (a later deadline) is still admitted at the next pass.
+    wide = session_body(max_parallel=8, min_parallel=8, max_wait_s=8, deadline_s=30)
+    narrow = session_body(max_parallel=2, min_parallel=2, max_wait_s=8, deadline_s=60)
+    async with fixed_door.client() as client:
+        admitted = [await client.post("/v1/sessions", json=wide) for _ in range(2)]
+        big = asyncio.create_task(client.post("/v1/sessions", json=wide))
+        await until_held(client, 1)
+        small = await client.post("/v1/sessions", json=narrow)
+        assert not big.done()
+        await client.delete(f"/v1/sessions/{admitted[0].json()['id']}")
+        bigger = await big
+        for resp in (admitted[1], small, bigger):
+            await client.delete(f"/v1/sessions/{resp.json()['id']}")
+    assert [r.status_code for r in (*admitted, small, bigger)] == [201] * 4, small.text
+
+
 SESSION_LENGTH_S = 0.5
 """How long the sessions the pace learns from stay open: their length is what it learns."""
 

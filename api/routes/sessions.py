@@ -26,7 +26,7 @@ from schemas.vocab import Decision, ErrorCode, Reason, Tier
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
-MAX_WAIT_SHARE_OF_DEADLINE = 0.25
+MAX_WAIT_SHARE_OF_DEADLINE = 0.5
 """A session held longer than this share of its deadline is left too little time to finish in
 (the deadline check at admission assumes the fastest speed the fleet shows): answer instead."""
 SESSION_EXAMPLE = {

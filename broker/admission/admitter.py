@@ -8,13 +8,13 @@ went, goes to the ledger and the metrics.
 
 A session that is deferred for want of room (``tier_capacity``, ``fleet_saturated``) may be
 held, up to its ``max_wait_s``, and decided again each time room may have freed: at once when
-a session ends on this replica, otherwise every ``HOLD_POLL_S`` or so (another replica's
-release, or a worker's new reading, is seen at the next poll). Its deadline shrinks by the
-time held, so a session that can no longer finish is rejected rather than admitted late. A
-held session is answered as soon as it fits, not at the next ``Retry-After`` a client would
-round up to whole seconds, and a client that retries at once without waiting spends its
-retries in milliseconds: holding serves both.
-Held sessions are not ordered among themselves beyond what the policy orders (tiers, shares).
+a session ends on this replica, otherwise every ``HOLD_POLL_S`` (another replica's release, or
+a worker's new reading, is seen at the next pass). Its deadline shrinks by the time held, so a
+session that can no longer finish is rejected rather than admitted late. A held session is
+answered as soon as it fits, not at the next ``Retry-After`` a client would round up to whole
+seconds, and a client that retries at once without waiting spends its retries in milliseconds:
+holding serves both. Held sessions are decided again in turns, a higher tier first, then the
+earliest deadline, and a new session does not go before them (``broker.admission.holding``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 from opentelemetry.trace import Span
 
+from broker.admission.holding import HeldSessions
 from broker.admission.metrics import AdmissionMetrics
 from broker.admission.objectives import ObjectiveWindows, SessionPace, Verdict, WindowBounds
 from broker.admission.policy import (
@@ -172,7 +173,8 @@ class Admitter:
         q = settings.admission_pace_quantile
         self.pace = SessionPace(q) if q > 0 else None
         self._rng = random.Random()
-        self._room_freed = asyncio.Event()
+        self.held = HeldSessions(HOLD_POLL_S)
+        self.metrics.held_now.set_function(lambda: self.held.held)
         self._admitted_recently = RecentAdmissions()
         self._task: asyncio.Task[None] | None = None
         self._state_reachable = True
@@ -187,6 +189,7 @@ class Admitter:
         self._task = asyncio.create_task(self._tick(interval_s))
 
     async def stop(self) -> None:
+        await self.held.close()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -276,29 +279,38 @@ class Admitter:
         deferred for want of room is held up to ``max_wait_s`` (see the module docstring)."""
         with tracer().start_as_current_span("admission") as span:
             held_from = time.monotonic()
-            held_s = 0.0
-            while True:
-                left_s = max_wait_s - held_s
-                waited = replace(need, deadline_s=need.deadline_s - held_s) if held_s else need
-                admitted = await self._admit(
-                    tenant,
-                    waited,
-                    scope,
-                    idle_timeout_s,
-                    metadata,
-                    idempotency_key,
-                    span,
-                    held_s,
-                    final=left_s <= 0,
-                )
-                if admitted is not None:
-                    return admitted
-                freed = self._room_freed
-                # Spread, so that sessions held together do not all read the state at once.
-                poll_s = HOLD_POLL_S * (0.5 + self._rng.random())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(freed.wait(), min(poll_s, left_s))
-                held_s = time.monotonic() - held_from
+            rank = (need.tier.priority, held_from + need.deadline_s)
+            place = None
+            try:
+                # Decided at once unless a session held here goes first (``HeldSessions``).
+                decide_now = not self.held.ahead_of(rank)
+                held_s = 0.0
+                while True:
+                    left_s = max_wait_s - held_s
+                    if decide_now or left_s <= 0:
+                        waited = replace(need, deadline_s=need.deadline_s - held_s)
+                        admitted = await self._admit(
+                            tenant,
+                            waited if held_s else need,
+                            scope,
+                            idle_timeout_s,
+                            metadata,
+                            idempotency_key,
+                            span,
+                            held_s,
+                            final=left_s <= 0,
+                        )
+                        if admitted is not None:
+                            return admitted
+                    if place is None:
+                        place = self.held.join(rank)
+                    else:
+                        self.held.decided(place)
+                    decide_now = await self.held.turn(place, left_s)
+                    held_s = time.monotonic() - held_from
+            finally:
+                if place is not None:
+                    self.held.leave(place)
 
     async def _admit(
         self,
@@ -537,11 +549,10 @@ class Admitter:
         )
 
     def room_freed(self, session_id: str) -> None:
-        """``session_id``'s reservation was released here: wake every held session to be
-        decided again."""
+        """``session_id``'s reservation was released here: the held sessions are decided
+        again, in turn, at once."""
         self._admitted_recently.drop(session_id)
-        self._room_freed.set()
-        self._room_freed = asyncio.Event()
+        self.held.wake()
 
 
 def _span_attributes(

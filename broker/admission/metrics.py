@@ -32,6 +32,11 @@ class AdmissionMetrics:
             buckets=(0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0),
             registry=registry,
         )
+        self.held_now = Gauge(
+            "kvgate_admission_held_sessions",
+            "Sessions this replica holds now, waiting for room before their answer",
+            registry=registry,
+        )
         self.healed = Counter(
             "kvgate_admission_state_healed",
             "Entries of the shared admission state found wrong and mended by the heal (totals "

@@ -407,6 +407,13 @@ def decide(
     # speed observed yet, nothing is rejected on a guess.
     fewest = need.min_parallel
     observed = [w.seq_tokens_per_s for w in serving if w.seq_tokens_per_s]
+    # A queue, or a first turn that does not fit in the KV not committed now (checks 5 and 7),
+    # ends as calls in flight end: asked back after one call's time at the fastest decode the
+    # fleet shows, not after the default meant for a fleet reserved full. A session asked back
+    # after 5 s had spent most of its slack on it (`loadtests/results/hold-to-slack`).
+    calls_end_s = (
+        need.est_output_tokens / max(observed) if observed else policy.default_retry_after_s
+    )
     # The learned pace (seconds per output token of a round, everything a session waits for
     # included) where there is one, never faster than the fastest decode the fleet shows. A
     # plain call waits for no tool: its own speed is its bound.
@@ -433,7 +440,7 @@ def decide(
     queued = 0 if need.may_queue else queued_ahead(fleet, need.tier, max_age_s)
     signals["queued_ahead"] = queued
     if queued:
-        return answer(Decision.DEFER, Reason.FLEET_SATURATED, policy.default_retry_after_s)
+        return answer(Decision.DEFER, Reason.FLEET_SATURATED, calls_end_s)
 
     # 6. Room in every nested group the session's tier belongs to, for as many calls as fit.
     room = [limits[i] - groups[i] for i in range(index + 1)]
@@ -455,7 +462,7 @@ def decide(
             if fewest <= ever_at_once < granted:
                 granted = ever_at_once
             if granted * need.call_tokens > free:
-                return answer(Decision.DEFER, Reason.FLEET_SATURATED, policy.default_retry_after_s)
+                return answer(Decision.DEFER, Reason.FLEET_SATURATED, calls_end_s)
         if granted < need.max_parallel:
             signals["granted_parallel"] = granted
         return answer(Decision.ADMIT, Reason.ADMITTED, granted=granted, bound_group=narrowest)
