@@ -410,7 +410,7 @@ def decide(
     # A queue, or a first turn that does not fit in the KV not committed now (checks 5 and 7),
     # ends as calls in flight end: asked back after one call's time at the fastest decode the
     # fleet shows, not after the default meant for a fleet reserved full. A session asked back
-    # after 5 s had spent most of its slack on it (`loadtests/results/hold-to-slack`).
+    # after 5 s had spent most of its slack on it (`loadtests/results/held-turns`).
     calls_end_s = (
         need.est_output_tokens / max(observed) if observed else policy.default_retry_after_s
     )
