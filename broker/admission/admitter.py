@@ -288,10 +288,13 @@ class Admitter:
                 while True:
                     left_s = max_wait_s - held_s
                     if decide_now or left_s <= 0:
-                        waited = replace(need, deadline_s=need.deadline_s - held_s)
+                        # Its deadline shrinks by the time held.
+                        waited = (
+                            replace(need, deadline_s=need.deadline_s - held_s) if held_s else need
+                        )
                         admitted = await self._admit(
                             tenant,
-                            waited if held_s else need,
+                            waited,
                             scope,
                             idle_timeout_s,
                             metadata,

@@ -407,19 +407,19 @@ def decide(
     # speed observed yet, nothing is rejected on a guess.
     fewest = need.min_parallel
     observed = [w.seq_tokens_per_s for w in serving if w.seq_tokens_per_s]
+    # One call's decode at the fastest speed per sequence the fleet shows, if it shows one.
+    decode_s = need.est_output_tokens / max(observed) if observed else None
     # A queue, or a first turn that does not fit in the KV not committed now (checks 5 and 7),
-    # ends as calls in flight end: asked back after one call's time at the fastest decode the
-    # fleet shows, not after the default meant for a fleet reserved full. A session asked back
-    # after 5 s had spent most of its slack on it (`loadtests/results/held-turns`).
-    calls_end_s = (
-        need.est_output_tokens / max(observed) if observed else policy.default_retry_after_s
-    )
+    # ends as calls in flight end: asked back after one call's time, not after the default
+    # meant for a fleet reserved full. A session asked back after 5 s had spent most of its
+    # slack on it (`loadtests/results/held-turns`).
+    calls_end_s = policy.default_retry_after_s if decode_s is None else decode_s
     # The learned pace (seconds per output token of a round, everything a session waits for
     # included) where there is one, never faster than the fastest decode the fleet shows. A
     # plain call waits for no tool: its own speed is its bound.
     pace_s = None if need.may_queue else session_pace_s
-    if observed or pace_s is not None:
-        call_s = need.est_output_tokens / max(observed) if observed else 0.0
+    if decode_s is not None or pace_s is not None:
+        call_s = decode_s or 0.0
         if pace_s is not None:
             signals["session_pace_ms"] = round(pace_s * 1000, 3)
             call_s = max(call_s, need.est_output_tokens * pace_s)
