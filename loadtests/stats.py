@@ -51,7 +51,12 @@ def percentiles(values: Iterable[float], qs: Iterable[int]) -> dict[int, float |
         return dict.fromkeys(wanted, float(data[0]))
     cuts = statistics.quantiles(data, n=100, method="inclusive")
     low, high = float(min(data)), float(max(data))
-    return {q: low if q == 0 else high if q == 100 else cuts[q - 1] for q in wanted}
+    # Interpolating between equal values can land a rounding error outside them (the median of
+    # 0.23333334, 0.23333334 and 0.3 came out as 0.2333...3, below the minimum, and the report's
+    # error bars refused the negative length): clamped to the values' range.
+    return {
+        q: low if q == 0 else high if q == 100 else min(max(cuts[q - 1], low), high) for q in wanted
+    }
 
 
 def percentile(values: Iterable[float], q: int) -> float | None:

@@ -26,6 +26,16 @@ def test_p0_and_p100_are_the_extremes_and_p50_the_median() -> None:
     assert percentiles(values, (0, 50, 100)) == {0: 1.0, 50: 5.0, 100: 9.0}
 
 
+def test_a_percentile_never_falls_outside_the_values_by_a_rounding_error() -> None:
+    # statistics.quantiles gives 0.2333...3 here, below the minimum: a median of three rates
+    # that the report's error bars then refused as a negative length.
+    rates = [7 / 30, 7 / 30, 0.3]
+    assert percentile(rates, 50) == 7 / 30
+    for q in range(101):
+        value = percentile(rates, q)
+        assert value is not None and min(rates) <= value <= max(rates)
+
+
 def test_one_value_is_every_percentile_of_itself_and_no_values_have_none() -> None:
     assert percentiles([3.0], (0, 50, 99, 100)) == {0: 3.0, 50: 3.0, 99: 3.0, 100: 3.0}
     assert percentile([], 50) is None
