@@ -18,6 +18,7 @@ from broker.admission.policy import (
     SessionNeed,
     WorkerReading,
     decide,
+    fleet_busy,
     fleet_has_room,
     fleet_load,
 )
@@ -494,6 +495,23 @@ def test_the_fleet_has_room_only_with_little_committed_and_nothing_queued_anywhe
     assert not room(worker(age_s=10))
     assert not fleet_has_room(FleetSnapshot((worker(),), None), MAX_AGE_S, below=0.5)
     assert not room(worker(draining=True))
+
+
+def test_how_busy_the_fleet_is_counts_each_workers_committed_or_held_kv() -> None:
+    # 1,000 + 6,000 (committed beyond what it holds) + 0 of a draining worker's: of 20,000.
+    busy = fleet_busy(
+        fleet(
+            worker(usage=0.1),
+            replace(worker("w2", usage=0.2), committed_tokens=6_000),
+            worker("w3", usage=0.9, draining=True),
+        ),
+        MAX_AGE_S,
+    )
+    assert busy == pytest.approx(7_000 / 20_000)
+    # Held beyond its commitment (a call longer than predicted): what it holds.
+    held = replace(worker(usage=0.5), committed_tokens=2_000)
+    assert fleet_busy(fleet(held), MAX_AGE_S) == pytest.approx(0.5)
+    assert fleet_busy(fleet(worker(age_s=10)), MAX_AGE_S) is None  # unknown, not idle
 
 
 def test_pressure_escalates_only_after_consecutive_readings() -> None:

@@ -225,25 +225,30 @@ def uncommitted_tokens(fleet: FleetSnapshot, max_age_s: float) -> int:
     return free - fleet.unseen_tokens
 
 
+def fleet_busy(fleet: FleetSnapshot, max_age_s: float) -> float | None:
+    """The share of the serving workers' KV that they have committed (by the predicted peak of
+    what they run, or what the engine holds where that is more); ``None`` with no fresh
+    reading of a cache's size."""
+    live = _serving(fleet, max_age_s)
+    capacity = sum(w.kv_capacity_tokens or 0 for w in live)
+    if capacity <= 0:
+        return None
+    held = 0.0
+    for w in live:
+        used = (w.kv_usage or 0.0) * (w.kv_capacity_tokens or 0)
+        held += max(w.committed_tokens or 0, used)
+    return held / capacity
+
+
 def fleet_has_room(fleet: FleetSnapshot, max_age_s: float, below: float) -> bool:
     """Whether the fleet measurably has room for more work: fresh readings from serving workers,
     KV committed (the workers' predicted peak of what they run) and KV in use both under
     ``below`` of capacity, and nothing staged at a worker, waiting in an engine or pending in
     JetStream. Unknown is never room: no fresh reading, or the lag unread, is ``False``."""
-    live = _serving(fleet, max_age_s)
-    if not live or fleet.pending_by_tier is None:
+    busy = fleet_busy(fleet, max_age_s)
+    if busy is None or fleet.pending_by_tier is None:
         return False
-    capacity = sum(w.kv_capacity_tokens or 0 for w in live)
-    if capacity <= 0 or queued_ahead(fleet, TIERS_BY_PRIORITY[-1], max_age_s):
-        return False
-    committed = sum(
-        w.committed_tokens
-        if w.committed_tokens is not None
-        else (w.kv_usage or 0.0) * (w.kv_capacity_tokens or 0)
-        for w in live
-    )
-    used = sum((w.kv_usage or 0.0) * (w.kv_capacity_tokens or 0) for w in live)
-    return max(committed, used) < below * capacity
+    return not queued_ahead(fleet, TIERS_BY_PRIORITY[-1], max_age_s) and busy < below
 
 
 class PressureTracker:
