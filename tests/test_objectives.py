@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from broker.admission.objectives import (
+    FleetBusy,
     Objective,
     ObjectiveWindows,
     SessionPace,
@@ -276,3 +277,57 @@ def test_the_session_pace_is_a_quantile_of_recent_sessions_per_round_token() -> 
     assert pace.refresh(61.0) is None
     with pytest.raises(ValueError, match="quantile"):
         SessionPace(0.0)
+
+
+def test_the_pace_is_read_for_the_fleet_as_busy_as_it_is_now() -> None:
+    """A burst's sessions ran slow; once it is over, their pace no longer rejects sessions
+    that will run on a fleet a third as busy (loadtests/results/pace-by-busy)."""
+    pace = SessionPace(0.5, window_s=120.0, min_sessions=4, busy_band=0.1)
+    for i in range(6):  # 4 round tokens each: a burst's sessions, 0.5 s a token
+        pace.observe(i, 2.0, expected_calls=1, max_parallel=1, est_output_tokens=4, busy=0.8)
+    pace.refresh(6.0)
+    assert pace.current == pytest.approx(0.5)
+    assert pace.at(0.8) == pace.at(0.75) == pytest.approx(0.5)
+    assert pace.at(0.95) == pytest.approx(0.5)  # busier than any: the busiest sessions' pace
+    assert pace.at(0.3) is None  # less busy than every session learned from: no pace
+    assert pace.at(None) == pytest.approx(0.5)  # not known now: every session's
+    for i in range(4):  # then sessions on a quieter fleet, 0.1 s a token
+        pace.observe(10 + i, 0.4, expected_calls=1, max_parallel=1, est_output_tokens=4, busy=0.3)
+    pace.refresh(14.0)
+    assert pace.at(0.3) == pytest.approx(0.1)  # only the four within the band
+    assert pace.at(0.8) == pytest.approx(0.5)
+    # Between the two, the four busiest sessions no busier than a band above it.
+    assert pace.at(0.5) == pytest.approx(0.1)
+    assert pace.at(0.72) == pytest.approx(0.5)
+    # A session whose busy is not known counts toward current, not toward at.
+    pace.observe(15, 40.0, expected_calls=1, max_parallel=1, est_output_tokens=4)
+    pace.refresh(15.0)
+    assert pace.at(0.3) == pytest.approx(0.1)
+
+
+def test_fleet_busy_averages_over_a_sessions_life_and_the_recent_past() -> None:
+    busy = FleetBusy(recent_s=2.0)
+    assert busy.now(0.0) is None
+    busy.step(0.0, 0.2)
+    busy.mark("s1", 0.0)
+    busy.step(1.0, 0.6)
+    busy.step(2.0, None)  # no fresh reading: the last one goes on
+    busy.mark("s2", 2.0)
+    busy.step(3.0, 0.2)
+    busy.step(4.0, 0.2)
+    # s1: 0.2 for 1 s, 0.6 for 2 s, 0.2 for 1 s.
+    assert busy.since("s1", 4.0) == pytest.approx((0.2 + 0.6 * 2 + 0.2) / 4)
+    assert busy.since("s1", 4.0) is None  # forgotten once read
+    assert busy.since("other", 4.0) is None  # marked by no one here
+    assert busy.since("s2", 4.0) == pytest.approx((0.6 + 0.2) / 2)
+    assert busy.now(4.0) == pytest.approx((0.6 + 0.2) / 2)  # the last 2 s
+    busy.mark("s3", 4.0)
+    busy.forget("s3")
+    assert busy.since("s3", 5.0) is None
+    small = FleetBusy(max_marks=2, max_mark_age_s=60.0)
+    small.step(0.0, 0.5)
+    for name in ("a", "b", "c"):
+        small.mark(name, 0.0)
+    assert small.since("a", 1.0) is None and small.since("c", 1.0) == pytest.approx(0.5)
+    small.step(61.0, 0.5)  # b's lease ran out long ago, and nobody closed it
+    assert small.since("b", 61.0) is None

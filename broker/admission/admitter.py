@@ -31,7 +31,13 @@ from opentelemetry.trace import Span
 
 from broker.admission.holding import HeldSessions
 from broker.admission.metrics import AdmissionMetrics
-from broker.admission.objectives import ObjectiveWindows, SessionPace, Verdict, WindowBounds
+from broker.admission.objectives import (
+    FleetBusy,
+    ObjectiveWindows,
+    SessionPace,
+    Verdict,
+    WindowBounds,
+)
 from broker.admission.policy import (
     AdmissionDecision,
     AdmissionPolicy,
@@ -39,6 +45,7 @@ from broker.admission.policy import (
     PressureTracker,
     SessionNeed,
     decide,
+    fleet_busy,
     fleet_has_room,
     fleet_load,
     retry_after_for_shortfall,
@@ -172,6 +179,9 @@ class Admitter:
         )
         q = settings.admission_pace_quantile
         self.pace = SessionPace(q) if q > 0 else None
+        self.busy = FleetBusy()
+        """How busy the fleet is, now and over each session's life: the pace is learned and
+        read by it (``SessionPace.at``)."""
         self._rng = random.Random()
         self.held = HeldSessions(HOLD_POLL_S)
         self.metrics.held_now.set_function(lambda: self.held.held)
@@ -219,6 +229,7 @@ class Admitter:
         if self.fallback is not None:
             await self.fallback.sweep(now_ms)
         self._learn_windows(now_ms, snapshot)
+        self.busy.step(now_ms / 1000, fleet_busy(snapshot, self.signals.max_age_s))
         if self.pace is not None:
             self.pace.refresh(now_ms / 1000)
         try:
@@ -419,6 +430,7 @@ class Admitter:
         if share < 1.0:
             policy = replace(policy, kv_overcommit=policy.kv_overcommit * share)
         jitter = self._rng.random()
+        busy = self.busy.now(now_ms / 1000)
         decision = decide(
             need,
             tenant,
@@ -429,8 +441,10 @@ class Admitter:
             max_age_s=self.signals.max_age_s,
             jitter=jitter,
             factors=[f * share for f in self.windows.group_factors()],
-            session_pace_s=None if self.pace is None else self.pace.current,
+            session_pace_s=None if self.pace is None else self.pace.at(busy),
         )
+        if busy is not None:  # how busy the fleet was read, which the pace depends on
+            decision = replace(decision, signals={**decision.signals, "fleet_busy": round(busy, 3)})
         if decision.bound_group is not None:
             self.windows.bound(decision.bound_group)
         if not decision.admitted:
@@ -471,6 +485,8 @@ class Admitter:
             now_ms,
         )
         if outcome.record is not None and not outcome.existing:
+            if self.pace is not None and not need.may_queue:  # a session, closed by its client
+                self.busy.mark(record.id, now_ms / 1000)
             return (outcome.record, False), decision
         # An idempotent retry got its earlier session back, or the store refused: nothing new.
         self._admitted_recently.drop(record.id)
@@ -542,6 +558,7 @@ class Admitter:
         elif before.state is SessionState.EXPIRED and before.expires_ms >= before.deadline_ms:
             ended_ms = before.deadline_ms
         else:
+            self.busy.forget(before.id)
             return
         self.pace.observe(
             now_ms / 1000,
@@ -549,6 +566,7 @@ class Admitter:
             expected_calls=before.expected_calls,
             max_parallel=before.max_parallel,
             est_output_tokens=before.est_output_tokens,
+            busy=self.busy.since(before.id, ended_ms / 1000),
         )
 
     def room_freed(self, session_id: str) -> None:

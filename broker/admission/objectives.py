@@ -75,6 +75,7 @@ session's deadline. Pure: the clock is an argument.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import OrderedDict, deque
@@ -316,7 +317,19 @@ class SessionPace:
     ``max_samples``), refreshed by ``refresh``, or ``None`` with fewer than ``min_sessions``.
     A session given up at its deadline ended slow, so it raises the pace: the estimate errs
     late, and its feedback is stable (slower sessions under load make admission stricter,
-    which lightens the load)."""
+    which lightens the load).
+
+    How busy the fleet was over a session's life (``busy``: the share of the fleet's KV its
+    workers had committed, on average; ``FleetBusy``) sets its pace as much as the session
+    itself does, so ``at`` answers for the fleet as busy as it is now: the quantile over the
+    sessions that ran with the fleet about as busy (within ``busy_band`` either side), or,
+    where fewer than ``min_sessions`` did, over the busiest ``min_sessions`` of those at most
+    ``busy_band`` busier. A fleet less busy than all but a few of the sessions learned from has
+    no pace (``None``): its sessions will run at least as fast as those did, and a pace that
+    errs late would reject them on a guess. Read over every session of the window, the pace a
+    burst taught outlived the burst: run after 4x, 0.5x turned away 2 and 3 of 25 sessions as
+    ``deadline_infeasible`` with the fleet a fifth to two fifths busy (none read this way,
+    ``loadtests/results/pace-by-busy``)."""
 
     def __init__(
         self,
@@ -325,14 +338,20 @@ class SessionPace:
         window_s: float = 120.0,
         min_sessions: int = 20,
         max_samples: int = 512,
+        busy_band: float = 0.15,
     ) -> None:
         if not 0 < quantile <= 1 or min_sessions < 2:
             raise ValueError("the pace needs a quantile in (0, 1] and min_sessions >= 2")
         self.quantile = quantile
         self.window_s = window_s
         self.min_sessions = min_sessions
-        self._paces: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self.busy_band = busy_band
+        self._paces: deque[tuple[float, float, float | None]] = deque(maxlen=max_samples)
         self.current: float | None = None
+        self._by_busy: list[tuple[float, float]] = []
+        """(busy, pace) of the sessions ``current`` is taken from whose busy is known, sorted."""
+        self._at: dict[int, float | None] = {}
+        """``at``'s answers since the last refresh, by busy in hundredths."""
 
     def observe(
         self,
@@ -342,25 +361,126 @@ class SessionPace:
         expected_calls: int,
         max_parallel: int,
         est_output_tokens: int,
+        busy: float | None = None,
     ) -> None:
-        """A session that ended ``duration_s`` after its admission."""
+        """A session that ended ``duration_s`` after its admission; ``busy``: how busy the fleet
+        was over its life (class doc), ``None`` where not known."""
         rounds = math.ceil(expected_calls / max(max_parallel, 1))
         tokens = rounds * est_output_tokens
         if tokens > 0 and duration_s >= 0:
-            self._paces.append((now_s, duration_s / tokens))
+            self._paces.append((now_s, duration_s / tokens, busy))
 
     def refresh(self, now_s: float) -> float | None:
         paces = self._paces
         while paces and paces[0][0] < now_s - self.window_s:
             paces.popleft()
+        self._at = {}
         if len(paces) < self.min_sessions:
             self.current = None
+            self._by_busy = []
         else:
-            values = [pace for _, pace in paces]
-            if self.quantile >= 1:
-                self.current = max(values)
-            else:
-                # 99 cut points: the quantile to the percent, interpolated between sessions.
-                cuts = statistics.quantiles(values, n=100, method="inclusive")
-                self.current = cuts[max(0, round(self.quantile * 100) - 1)]
+            self.current = self._quantile([pace for _, pace, _ in paces])
+            self._by_busy = sorted((busy, pace) for _, pace, busy in paces if busy is not None)
         return self.current
+
+    def at(self, busy: float | None) -> float | None:
+        """The pace for a session admitted with the fleet ``busy`` now (class doc): ``current``
+        where how busy is not known, here or for the sessions learned from."""
+        if self.current is None or busy is None or not self._by_busy:
+            return self.current
+        key = round(busy * 100)
+        if key not in self._at:
+            self._at[key] = self._at_busy(key / 100)
+        return self._at[key]
+
+    def _at_busy(self, busy: float) -> float | None:
+        by_busy, k = self._by_busy, self.min_sessions
+        # The sessions that ran at most a band busier than now, nearest first: those within
+        # the band on both sides, or the busiest k of them where fewer are near.
+        high = bisect.bisect_right(by_busy, (busy + self.busy_band, math.inf))
+        if high < k:
+            return None
+        low = min(bisect.bisect_left(by_busy, (busy - self.busy_band, -math.inf)), high - k)
+        return self._quantile([pace for _, pace in by_busy[low:high]])
+
+    def _quantile(self, values: list[float]) -> float:
+        if self.quantile >= 1:
+            return max(values)
+        # 99 cut points: the quantile to the percent, interpolated between sessions.
+        cuts = statistics.quantiles(values, n=100, method="inclusive")
+        return cuts[max(0, round(self.quantile * 100) - 1)]
+
+
+class FleetBusy:
+    """How busy the fleet is (the share of its KV its workers have committed), integrated over
+    time: the average over a session's life, which ``SessionPace`` learns with its pace, is the
+    difference of two readings of the integral, and ``now`` the average over the last
+    ``recent_s``. Pure: the clock is an argument."""
+
+    def __init__(
+        self, recent_s: float = 5.0, max_marks: int = 100_000, max_mark_age_s: float = 3600.0
+    ) -> None:
+        self.recent_s = recent_s
+        self.max_marks = max_marks
+        self.max_mark_age_s = max_mark_age_s
+        """Sessions not closed (their leases ran out) are forgotten after this long, or once
+        ``max_marks`` are held, oldest first."""
+        self._integral = 0.0
+        self._last: tuple[float, float] | None = None
+        """(when, how busy) at the last step with a reading."""
+        self._recent: deque[tuple[float, float]] = deque()
+        self._marks: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def _integral_at(self, now_s: float) -> float:
+        if self._last is None:
+            return self._integral
+        at_s, busy = self._last
+        return self._integral + busy * max(0.0, now_s - at_s)
+
+    def step(self, now_s: float, busy: float | None) -> None:
+        """A reading; ``None`` (no fresh worker reading) carries the last one on."""
+        self._integral = self._integral_at(now_s)
+        if busy is not None:
+            self._last = (now_s, busy)
+        elif self._last is not None:
+            self._last = (now_s, self._last[1])
+        marks = self._marks
+        while marks and next(iter(marks.values()))[0] < now_s - self.max_mark_age_s:
+            marks.popitem(last=False)
+        if self._last is None:
+            return
+        recent = self._recent
+        recent.append((now_s, self._integral))
+        while len(recent) > 1 and recent[1][0] <= now_s - self.recent_s:
+            recent.popleft()
+
+    def now(self, now_s: float) -> float | None:
+        """The average over the last ``recent_s``, or the last reading where there is no span."""
+        if self._last is None:
+            return None
+        since_s, integral = self._recent[0]
+        if now_s - since_s <= 0:
+            return self._last[1]
+        return (self._integral_at(now_s) - integral) / (now_s - since_s)
+
+    def mark(self, session_id: str, now_s: float) -> None:
+        """``session_id`` was admitted at ``now_s``."""
+        self._marks[session_id] = (now_s, self._integral_at(now_s))
+        while len(self._marks) > self.max_marks:
+            self._marks.popitem(last=False)
+
+    def forget(self, session_id: str) -> None:
+        """``session_id`` ended, and how busy the fleet was over its life is not wanted."""
+        self._marks.pop(session_id, None)
+
+    def since(self, session_id: str, now_s: float) -> float | None:
+        """The average since ``session_id`` was marked, forgetting the mark: the session
+        ended. ``None`` for one not marked here (another replica admitted it, or it was
+        forgotten for its age), or with no reading yet."""
+        mark = self._marks.pop(session_id, None)
+        if mark is None or self._last is None:
+            return None
+        at_s, integral = mark
+        if now_s - at_s <= 0:
+            return self.now(now_s)
+        return (self._integral_at(now_s) - integral) / (now_s - at_s)
