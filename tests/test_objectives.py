@@ -303,6 +303,14 @@ def test_the_pace_is_read_for_the_fleet_as_busy_as_it_is_now() -> None:
     pace.observe(15, 40.0, expected_calls=1, max_parallel=1, est_output_tokens=4)
     pace.refresh(15.0)
     assert pace.at(0.3) == pytest.approx(0.1)
+    # Sessions admitted by another replica and closed here: with too few of known busy to
+    # read by, every session's pace.
+    elsewhere = SessionPace(0.5, window_s=120.0, min_sessions=4, busy_band=0.1)
+    for i in range(6):
+        busy = 0.8 if i < 2 else None
+        elsewhere.observe(i, 2.0, expected_calls=1, max_parallel=1, est_output_tokens=4, busy=busy)
+    elsewhere.refresh(6.0)
+    assert elsewhere.at(0.1) == elsewhere.current == pytest.approx(0.5)
 
 
 def test_fleet_busy_averages_over_a_sessions_life_and_the_recent_past() -> None:

@@ -327,9 +327,9 @@ class SessionPace:
     ``busy_band`` busier. A fleet less busy than all but a few of the sessions learned from has
     no pace (``None``): its sessions will run at least as fast as those did, and a pace that
     errs late would reject them on a guess. Read over every session of the window, the pace a
-    burst taught outlived the burst: run after 4x, 0.5x turned away 2 and 3 of 25 sessions as
-    ``deadline_infeasible`` with the fleet a fifth to two fifths busy (none read this way,
-    ``loadtests/results/pace-by-busy``)."""
+    burst taught outlived the burst: run right after 4x, 0.5x turned away 2, 3 and 0 of 25
+    sessions as ``deadline_infeasible`` with the fleet a fifth to two fifths busy, and none in
+    two runs read this way (``loadtests/results/pace-by-busy``)."""
 
     def __init__(
         self,
@@ -385,9 +385,10 @@ class SessionPace:
 
     def at(self, busy: float | None) -> float | None:
         """The pace for a session admitted with the fleet ``busy`` now (class doc): ``current``
-        where how busy is not known, here or for the sessions learned from."""
-        if self.current is None or busy is None or not self._by_busy:
-            return self.current
+        where how busy is not known now, or for fewer than ``min_sessions`` of the sessions
+        learned from (another replica admitted the rest)."""
+        if self.current is None or busy is None or len(self._by_busy) < self.min_sessions:
+            return self.current  # too few sessions of known busy (others closed elsewhere)
         key = round(busy * 100)
         if key not in self._at:
             self._at[key] = self._at_busy(key / 100)
