@@ -240,6 +240,19 @@ async def test_sigkill_mid_stream_ends_the_stream_with_worker_lost(
     assert await stream_is_empty(faults.nats.url)
 
 
+def orphans_left(live: list[WorkerHeartbeat], before: dict[str, WorkerHeartbeat]) -> str:
+    """Each worker's calls running and staged, and how many ended each way since ``before``."""
+    ways = ("completed", "cancelled", "deadline_dropped", "failed", "faulted", "ended")
+    return "; ".join(
+        f"{hb.worker_id}: running {hb.num_running}, staged {hb.staged}, "
+        + ", ".join(
+            f"{way} +{getattr(hb, way) - getattr(before[hb.worker_id], way)}" for way in ways
+        )
+        for hb in live
+        if hb.worker_id in before
+    )
+
+
 async def test_a_killed_front_door_leaves_no_call_running_for_nobody(
     faults: FaultStack, fleet: FleetSampler
 ) -> None:
@@ -255,7 +268,11 @@ async def test_a_killed_front_door_leaves_no_call_running_for_nobody(
         KVGATE_ADMISSION_KV_OVERCOMMIT_MAX="50",
         **STREAM_ENV,
     )
-    before = {hb.worker_id: hb for hb in fleet.workers()}
+    # Read once the watch has caught up: start_api blocks this loop for as long as a front door
+    # takes to start, and the heartbeats seen before it can be stale by then (an empty
+    # ``before`` made the wait below run to its bound on a slow machine).
+    ready = await fleet.until(lambda live: len(live) >= 2, WORKERS_READY_BOUND_S)
+    before = {hb.worker_id: hb for hb in ready}
     published_before = await last_sequence(faults.nats.url)
     first_token = asyncio.Event()
 
@@ -289,12 +306,19 @@ async def test_a_killed_front_door_leaves_no_call_running_for_nobody(
             if hb.worker_id in before
         )
 
-    live = await fleet.until(
-        lambda live: (
-            ended(live) >= admitted and all(hb.num_running == 0 and hb.staged == 0 for hb in live)
-        ),
-        ORPHANS_END_BOUND_S,
-    )
+    try:
+        live = await fleet.until(
+            lambda live: (
+                ended(live) >= admitted
+                and all(hb.num_running == 0 and hb.staged == 0 for hb in live)
+            ),
+            ORPHANS_END_BOUND_S,
+        )
+    except TimeoutError:  # say which calls were left, and how the others ended
+        pytest.fail(
+            f"{admitted} orphans not all ended: {orphans_left(fleet.workers(), before)} "
+            f"(workers before: {sorted(before)})"
+        )
     cancelled = sum(hb.cancelled - before[hb.worker_id].cancelled for hb in live)
     assert ended(live) == admitted  # each ended once
     assert cancelled >= admitted // 2, cancelled  # most never ran to their last token
