@@ -442,9 +442,8 @@ class Admitter:
             jitter=jitter,
             factors=[f * share for f in self.windows.group_factors()],
             session_pace_s=None if self.pace is None else self.pace.at(busy),
+            fleet_busy=busy,
         )
-        if busy is not None:  # how busy the fleet was read, which the pace depends on
-            decision = replace(decision, signals={**decision.signals, "fleet_busy": round(busy, 3)})
         if decision.bound_group is not None:
             self.windows.bound(decision.bound_group)
         if not decision.admitted:

@@ -326,6 +326,7 @@ def decide(
     jitter: float,
     factors: Sequence[float] | None = None,
     session_pace_s: float | None = None,
+    fleet_busy: float | None = None,
 ) -> AdmissionDecision:
     """``jitter`` in [0, 1) spreads retries: ``Retry-After`` estimates are scaled by 0.8 to 1.2.
     ``session_pace_s``: how long admitted sessions took per output token of a round of calls
@@ -360,6 +361,8 @@ def decide(
         "tenant_sessions": holdings.tenant_sessions,
         "release_tokens_per_s": round(holdings.released_tokens_per_s, 3),
     }
+    if fleet_busy is not None:  # how busy the caller read the fleet (the pace depends on it)
+        signals["fleet_busy"] = round(fleet_busy, 3)
 
     def answer(
         decision: Decision,
