@@ -240,3 +240,41 @@ async def woken_by_the_other(a: FrontDoor, b: FrontDoor) -> None:
 async def _take_slot(door: FrontDoor, record: SessionRecord) -> None:
     async with door.leases.call_slot(record, f"call-{uuid.uuid4().hex}", deadline_ms(), LIGHT):
         pass
+
+
+async def test_a_session_closed_on_another_door_is_no_longer_open_where_it_was_admitted(
+    redis_server: RedisServer,
+) -> None:
+    """The front door that admitted a session follows it as open, a lower bound on the pace
+    of sessions (``SessionPace.opened``), until it ends: another front door's close reaches it
+    over the release feed, or the session would look slower and slower until its deadline."""
+    async with front_door(redis_server.url) as a, front_door(redis_server.url) as b:
+        pace = a.leases.admitter.pace
+        assert pace is not None
+        record = await open_session(a.store)
+        pace.opened(
+            record.id,
+            record.created_ms / 1000,
+            expected_calls=record.expected_calls,
+            max_parallel=record.max_parallel,
+            est_output_tokens=record.est_output_tokens,
+            deadline_s=600.0,
+        )
+        kept = await open_session(a.store)
+        pace.opened(
+            kept.id,
+            kept.created_ms / 1000,
+            expected_calls=1,
+            max_parallel=1,
+            est_output_tokens=10,
+            deadline_s=600.0,
+        )
+        await b.leases.close(ACME, record.id)
+        await poll_until(
+            lambda: asyncio.sleep(0, pace.is_open(record.id)),
+            lambda still: not still,
+            timeout_s=WAKE_BOUND_S,
+        )
+        assert pace.is_open(kept.id)
+        await a.leases.close(ACME, kept.id)  # closed where it was admitted: learned there
+        assert not pace.is_open(kept.id)

@@ -205,6 +205,11 @@ async def test_sigkill_mid_generation_redelivers_a_non_streamed_call(
 async def test_sigkill_mid_stream_ends_the_stream_with_worker_lost(
     faults: FaultStack, fleet: FleetSampler
 ) -> None:
+    # Every worker's cancel count before the call, read once the watch shows both (a count
+    # read mid-stream can miss a worker whose heartbeat is late on a loaded machine, and a
+    # survivor missing from it could never be seen to cancel).
+    ready = await fleet.until(lambda live: len(live) >= 2, WORKERS_READY_BOUND_S)
+    cancelled_before = {hb.worker_id: hb.cancelled for hb in ready}
     async with httpx.AsyncClient(base_url=faults.base_url, timeout=CLIENT_TIMEOUT_S) as client:
         payload = body(900, stream=True)
         async with client.stream("POST", "/v1/chat/completions", json=payload) as r:
@@ -217,9 +222,7 @@ async def test_sigkill_mid_stream_ends_the_stream_with_worker_lost(
                 received += text
                 if '"content":"' in received.replace('"content":""', ""):
                     break
-            survivors = {
-                hb.worker_id: hb.cancelled for hb in fleet.workers() if hb.worker_id != name
-            }
+            survivors = {w: n for w, n in cancelled_before.items() if w != name}
             kill(faults.workers.pop(name))
             async for text in chunks:
                 received += text

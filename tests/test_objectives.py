@@ -313,6 +313,56 @@ def test_the_pace_is_read_for_the_fleet_as_busy_as_it_is_now() -> None:
     assert elsewhere.at(0.1) == elsewhere.current == pytest.approx(0.5)
 
 
+def test_open_sessions_are_lower_bounds_on_the_pace() -> None:
+    """A first burst has no ended session to learn from for as long as its sessions take: the
+    sessions still open say how slow they are at least (loadtests/results/pace-by-busy)."""
+    pace = SessionPace(0.5, window_s=120.0, min_sessions=4)
+    one = {"expected_calls": 1, "max_parallel": 1, "est_output_tokens": 10}
+    for n in range(4):
+        pace.opened(f"s{n}", float(n), **one, deadline_s=30.0)
+    assert pace.refresh(3.0) == pytest.approx(0.15)  # open 3, 2, 1 and 0 s: 0.3 ... 0 a token
+    assert pace.refresh(13.0) == pytest.approx(1.15)  # 10 s on, none has ended
+    pace.refresh(100.0)
+    assert pace.current == pytest.approx(3.0)  # at most its deadline over its tokens
+    for n in range(4):  # four end fast; the open sessions slower than them count
+        pace.observe(20.0, 1.0, **one, session_id=f"e{n}")
+    pace.observe(20.0, 5.0, **one, session_id="s0")  # closed: no longer open
+    assert not pace.is_open("s0") and pace.is_open("s1")
+    pace.opened("young", 19.5, **one, deadline_s=30.0)  # 0.05 so far: faster, not counted
+    # Ended 0.1 x4 and 0.5 (median 0.1); open s1-s3 at 1.9, 1.8 and 1.7 count: median 0.3.
+    assert pace.refresh(20.0) == pytest.approx(0.3)
+    pace.observe(20.0, 1.0, **one, session_id="s1")
+    pace.forget("s2")  # idled out, or closed by another front door: says nothing here
+    assert pace.refresh(20.0) == pytest.approx(0.1)  # 0.1 x5, 0.5 and s3's 1.7
+    # Past its deadline for a whole window, an open session's end was missed: forgotten.
+    assert pace.refresh(170.0) is None
+    assert not pace.is_open("s3") and not pace.is_open("young")
+    # Ends that may have gone unheard: every open session is forgotten.
+    pace.opened("later", 160.0, **one, deadline_s=30.0)
+    pace.forget_open()
+    assert not pace.is_open("later")
+    # Only so many are followed: the youngest beyond them are not.
+    few = SessionPace(0.5, min_sessions=2, max_open=2)
+    for n in range(3):
+        few.opened(f"f{n}", float(n), **one, deadline_s=30.0)
+    assert [few.is_open(f"f{n}") for n in range(3)] == [True, True, False]
+
+
+def test_open_sessions_are_read_by_how_busy_the_fleet_has_been_since_their_admission() -> None:
+    pace = SessionPace(0.5, window_s=120.0, min_sessions=2, busy_band=0.1)
+    one = {"expected_calls": 1, "max_parallel": 1, "est_output_tokens": 10}
+    busy = FleetBusy()
+    busy.step(0.0, 0.8)
+    for n in range(2):
+        busy.mark(f"s{n}", 0.0)
+        pace.opened(f"s{n}", 0.0, **one, deadline_s=30.0)
+    busy.step(10.0, 0.8)
+    pace.refresh(10.0, lambda session_id: busy.so_far(session_id, 10.0))
+    assert pace.at(0.8) == pytest.approx(1.0)  # open 10 s, 10 tokens each, the fleet 0.8 busy
+    assert pace.at(0.3) is None  # a quieter fleet than they ran on: no pace
+    assert busy.so_far("s0", 10.0) == pytest.approx(0.8)  # the mark is kept while open
+
+
 def test_fleet_busy_averages_over_a_sessions_life_and_the_recent_past() -> None:
     busy = FleetBusy(recent_s=2.0)
     assert busy.now(0.0) is None

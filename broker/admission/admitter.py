@@ -231,7 +231,8 @@ class Admitter:
         self._learn_windows(now_ms, snapshot)
         self.busy.step(now_ms / 1000, fleet_busy(snapshot, self.signals.max_age_s))
         if self.pace is not None:
-            self.pace.refresh(now_ms / 1000)
+            now_s = now_ms / 1000
+            self.pace.refresh(now_s, lambda session_id: self.busy.so_far(session_id, now_s))
         try:
             await self.state.sweep(now_ms)
             if now_ms - self._counted_ms >= ACTIVE_SESSIONS_READ_S * 1000:
@@ -486,6 +487,14 @@ class Admitter:
         if outcome.record is not None and not outcome.existing:
             if self.pace is not None and not need.may_queue:  # a session, closed by its client
                 self.busy.mark(record.id, now_ms / 1000)
+                self.pace.opened(
+                    record.id,
+                    now_ms / 1000,
+                    expected_calls=record.expected_calls,
+                    max_parallel=record.max_parallel,
+                    est_output_tokens=record.est_output_tokens,
+                    deadline_s=need.deadline_s,
+                )
             return (outcome.record, False), decision
         # An idempotent retry got its earlier session back, or the store refused: nothing new.
         self._admitted_recently.drop(record.id)
@@ -557,7 +566,7 @@ class Admitter:
         elif before.state is SessionState.EXPIRED and before.expires_ms >= before.deadline_ms:
             ended_ms = before.deadline_ms
         else:
-            self.busy.forget(before.id)
+            self.ended_unlearned(before.id)
             return
         self.pace.observe(
             now_ms / 1000,
@@ -566,7 +575,22 @@ class Admitter:
             max_parallel=before.max_parallel,
             est_output_tokens=before.est_output_tokens,
             busy=self.busy.since(before.id, ended_ms / 1000),
+            session_id=before.id,
         )
+
+    def ended_unlearned(self, session_id: str) -> None:
+        """``session_id`` ended with nothing of its pace learned here: it idled out, or another
+        front door closed it (and learns its pace). No longer open (``SessionPace.opened``)."""
+        if self.pace is not None:
+            self.busy.forget(session_id)
+            self.pace.forget(session_id)
+
+    def ends_missed(self) -> None:
+        """Sessions may have been closed by other front doors unheard (the release feed was
+        down): the open ones are forgotten, for any of them may be a session long ended that
+        would go on looking slower and slower (``SessionPace.forget_open``)."""
+        if self.pace is not None:
+            self.pace.forget_open()
 
     def room_freed(self, session_id: str) -> None:
         """``session_id``'s reservation was released here: the held sessions are decided

@@ -112,7 +112,7 @@ class SessionLeases:
 
     async def _follow_releases(self) -> None:
         try:
-            await self.admitter.state.follow_releases(self.waiters)
+            await self.admitter.state.follow_releases(_Ends(self.waiters, self.admitter))
         except Exception:
             # Not expected (the feed outlives Redis itself); waiting calls still poll.
             log.exception("the release feed stopped; calls waiting for a slot poll")
@@ -220,3 +220,24 @@ class SessionLeases:
         """Release a plain call's one-call session once its call has ended."""
         await self._release((record.id, None))
         self.admitter.room_freed(record.id)
+
+
+class _Ends:
+    """What the release feed says of other front doors' releases: the calls waiting here for
+    a slot hear of it, and so does the admitter of a session it admitted and another front
+    door closed (``Admitter.ended_unlearned``)."""
+
+    def __init__(self, waiters: SlotWaiters, admitter: Admitter) -> None:
+        self.waiters = waiters
+        self.admitter = admitter
+
+    def call_ended(self, session_id: str) -> None:
+        self.waiters.call_ended(session_id)
+
+    def session_ended(self, session_id: str) -> None:
+        self.waiters.session_ended(session_id)
+        self.admitter.ended_unlearned(session_id)
+
+    def releases_missed(self) -> None:
+        self.waiters.releases_missed()
+        self.admitter.ends_missed()

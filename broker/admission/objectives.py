@@ -79,6 +79,7 @@ import bisect
 import math
 import statistics
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from schemas.vocab import TIERS_BY_PRIORITY, Tier
@@ -329,7 +330,21 @@ class SessionPace:
     errs late would reject them on a guess. Read over every session of the window, the pace a
     burst taught outlived the burst: run right after 4x, 0.5x turned away 2, 3 and 0 of 25
     sessions as ``deadline_infeasible`` with the fleet a fifth to two fifths busy, and none in
-    two runs read this way (``loadtests/results/pace-by-busy``)."""
+    two runs read this way (``loadtests/results/pace-by-busy``).
+
+    Sessions still open (``opened``; ended by ``observe`` or ``forget``) are lower bounds: one
+    open for ``t`` seconds takes at least ``t`` (at most its deadline) over its round tokens.
+    One already slower than the quantile of the sessions that ended is evidence that sessions
+    are slowing, and counts beside them, with how busy the fleet has been since its admission;
+    where fewer than ``min_sessions`` have ended, every open one counts. Learned from ended
+    sessions alone, a front door's first burst had no pace for as long as its first sessions
+    took, and admitted sessions that came back from their clients' retries with too little of
+    their deadline left: 11 of the 12 admitted sessions that missed at 4x in one run were in
+    that first burst (``loadtests/results/pace-by-busy``). Only sessions their clients close
+    may be opened (plain calls' one-call sessions end without a ``DELETE`` and would stay open
+    to their deadlines); one whose end was never reported is forgotten a ``window_s`` after its
+    deadline. At most ``max_open`` are followed: beyond, the youngest are not (they bound the
+    pace least), which keeps ``refresh`` a bounded loop on the admission path's event loop."""
 
     def __init__(
         self,
@@ -339,6 +354,7 @@ class SessionPace:
         min_sessions: int = 20,
         max_samples: int = 512,
         busy_band: float = 0.15,
+        max_open: int = 512,
     ) -> None:
         if not 0 < quantile <= 1 or min_sessions < 2:
             raise ValueError("the pace needs a quantile in (0, 1] and min_sessions >= 2")
@@ -352,6 +368,9 @@ class SessionPace:
         """(busy, pace) of the sessions ``current`` is taken from whose busy is known, sorted."""
         self._at: dict[int, float | None] = {}
         """``at``'s answers since the last refresh, by busy in hundredths."""
+        self.max_open = max_open
+        self._open: dict[str, tuple[float, int, float]] = {}
+        """Sessions opened and not ended, oldest first: when, their round tokens, deadline (s)."""
 
     def observe(
         self,
@@ -362,26 +381,85 @@ class SessionPace:
         max_parallel: int,
         est_output_tokens: int,
         busy: float | None = None,
+        session_id: str | None = None,
     ) -> None:
         """A session that ended ``duration_s`` after its admission; ``busy``: how busy the fleet
-        was over its life (class doc), ``None`` where not known."""
-        rounds = math.ceil(expected_calls / max(max_parallel, 1))
-        tokens = rounds * est_output_tokens
+        was over its life (class doc), ``None`` where not known; ``session_id``: no longer open."""
+        tokens = _round_tokens(expected_calls, max_parallel, est_output_tokens)
         if tokens > 0 and duration_s >= 0:
             self._paces.append((now_s, duration_s / tokens, busy))
+        if session_id is not None:
+            self._open.pop(session_id, None)
 
-    def refresh(self, now_s: float) -> float | None:
+    def opened(
+        self,
+        session_id: str,
+        now_s: float,
+        *,
+        expected_calls: int,
+        max_parallel: int,
+        est_output_tokens: int,
+        deadline_s: float,
+    ) -> None:
+        """A session admitted at ``now_s``, which its client will close (class doc)."""
+        tokens = _round_tokens(expected_calls, max_parallel, est_output_tokens)
+        if tokens > 0 and len(self._open) < self.max_open:
+            self._open[session_id] = (now_s, tokens, deadline_s)
+
+    def forget(self, session_id: str) -> None:
+        """An open session ended saying nothing of its pace here (it idled out, or was closed
+        elsewhere)."""
+        self._open.pop(session_id, None)
+
+    def is_open(self, session_id: str) -> bool:
+        return session_id in self._open
+
+    def forget_open(self) -> None:
+        """Every open session: their ends may have gone unheard."""
+        self._open.clear()
+
+    def refresh(
+        self, now_s: float, busy_so_far: Callable[[str], float | None] | None = None
+    ) -> float | None:
+        """``busy_so_far``: how busy the fleet has been since an open session's admission."""
         paces = self._paces
         while paces and paces[0][0] < now_s - self.window_s:
             paces.popleft()
         self._at = {}
-        if len(paces) < self.min_sessions:
+        ended = [(pace, busy) for _, pace, busy in paces]
+        estimate = None
+        if len(ended) >= self.min_sessions:
+            estimate = self._quantile([pace for pace, _ in ended])
+        samples = ended + self._lower_bounds(now_s, estimate, busy_so_far)
+        if len(samples) < self.min_sessions:
             self.current = None
             self._by_busy = []
         else:
-            self.current = self._quantile([pace for _, pace, _ in paces])
-            self._by_busy = sorted((busy, pace) for _, pace, busy in paces if busy is not None)
+            self.current = self._quantile([pace for pace, _ in samples])
+            self._by_busy = sorted((busy, pace) for pace, busy in samples if busy is not None)
         return self.current
+
+    def _lower_bounds(
+        self,
+        now_s: float,
+        estimate: float | None,
+        busy_so_far: Callable[[str], float | None] | None,
+    ) -> list[tuple[float, float | None]]:
+        """The open sessions that count (class doc), as (pace so far, busy so far)."""
+        bounds: list[tuple[float, float | None]] = []
+        lost: list[str] = []
+        for session_id, (at_s, tokens, deadline_s) in self._open.items():
+            age_s = now_s - at_s
+            if age_s > deadline_s + self.window_s:
+                lost.append(session_id)  # its end was never reported
+                continue
+            bound = min(age_s, deadline_s) / tokens
+            if estimate is None or bound > estimate:
+                busy = None if busy_so_far is None else busy_so_far(session_id)
+                bounds.append((bound, busy))
+        for session_id in lost:
+            del self._open[session_id]
+        return bounds
 
     def at(self, busy: float | None) -> float | None:
         """The pace for a session admitted with the fleet ``busy`` now (class doc): ``current``
@@ -410,6 +488,11 @@ class SessionPace:
         # 99 cut points: the quantile to the percent, interpolated between sessions.
         cuts = statistics.quantiles(values, n=100, method="inclusive")
         return cuts[max(0, round(self.quantile * 100) - 1)]
+
+
+def _round_tokens(expected_calls: int, max_parallel: int, est_output_tokens: int) -> int:
+    """The output tokens of a session's rounds of calls (``SessionPace``)."""
+    return math.ceil(expected_calls / max(max_parallel, 1)) * est_output_tokens
 
 
 class FleetBusy:
@@ -478,7 +561,13 @@ class FleetBusy:
         """The average since ``session_id`` was marked, forgetting the mark: the session
         ended. ``None`` for one not marked here (another replica admitted it, or it was
         forgotten for its age), or with no reading yet."""
-        mark = self._marks.pop(session_id, None)
+        return self._average(self._marks.pop(session_id, None), now_s)
+
+    def so_far(self, session_id: str, now_s: float) -> float | None:
+        """As ``since``, for a session still open: the mark is kept."""
+        return self._average(self._marks.get(session_id), now_s)
+
+    def _average(self, mark: tuple[float, float] | None, now_s: float) -> float | None:
         if mark is None or self._last is None:
             return None
         at_s, integral = mark

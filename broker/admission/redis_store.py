@@ -20,7 +20,9 @@ the vocabulary lives only in ``schemas.vocab``. Keys, all under one hash-tagged 
 One pub/sub channel, ``P:freed``, carries ``call|session <origin> <id>`` when a call slot or a
 whole session of a contended session (one whose calls were ever told ``busy``: the ``contended``
 field of its hash) is freed, so that the calls other front doors hold waiting for a slot wake
-at once instead of polling (``follow_releases``).
+at once instead of polling (``follow_releases``); and when a session is closed by another front
+door than the one that admitted it (the ``origin`` field of its hash), which follows its open
+sessions to learn how slow they are (``broker.admission.objectives.SessionPace``).
 
 A lease lives in ``P:leases``/``P:expiry`` (no TTL: they are removed exactly when the lease
 ends, so totals never drift), while everything else carries a TTL, so nothing outlives its use.
@@ -233,7 +235,7 @@ class RedisAdmissionState:
             window,
             request.idempotency_key or "",
             IDEMPOTENCY_TTL_MS,
-            json.dumps(_to_fields(record, offset)),
+            json.dumps({**_to_fields(record, offset), "origin": self.origin}),
             -1 if limits.max_reserved_tokens is None else limits.max_reserved_tokens,
             *request.tier_limits,
         )

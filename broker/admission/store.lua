@@ -21,9 +21,12 @@ local function skey(id) return P .. ':s:' .. id end
 
 -- Tells the other front doors that a call slot ('call') or a whole session ('session') was
 -- freed, for the calls they hold waiting for one; only for a session whose calls were ever
--- told 'busy' (its 'contended' field), so that uncontended sessions cost no message.
+-- told 'busy' (its 'contended' field), so that uncontended sessions cost no message, and for
+-- a session closed by another front door than the one that admitted it (its 'origin'), which
+-- follows it until it ends.
 local function announce(kind, id, origin)
-  if redis.call('HGET', skey(id), 'contended') then
+  local f = redis.call('HMGET', skey(id), 'contended', 'origin')
+  if f[1] or (kind == 'session' and f[2] and f[2] ~= origin) then
     redis.call('PUBLISH', P .. ':freed', kind .. ' ' .. origin .. ' ' .. id)
   end
 end
