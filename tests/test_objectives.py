@@ -262,7 +262,7 @@ def test_a_tenant_may_set_its_own_objectives_for_a_tier() -> None:
 
 
 def test_the_session_pace_is_a_quantile_of_recent_sessions_per_round_token() -> None:
-    pace = SessionPace(0.9, window_s=60.0, min_sessions=10)
+    pace = SessionPace(0.9, window_s=60.0, min_sessions=10, min_first=10)
     # 12 calls, 3 at a time, 20 output tokens each: 4 rounds of 20 = 80 round tokens.
     for i in range(9):
         pace.observe(i, 8.0, expected_calls=12, max_parallel=3, est_output_tokens=20)
@@ -282,7 +282,7 @@ def test_the_session_pace_is_a_quantile_of_recent_sessions_per_round_token() -> 
 def test_the_pace_is_read_for_the_fleet_as_busy_as_it_is_now() -> None:
     """A burst's sessions ran slow; once it is over, their pace no longer rejects sessions
     that will run on a fleet a third as busy (loadtests/results/pace-by-busy)."""
-    pace = SessionPace(0.5, window_s=120.0, min_sessions=4, busy_band=0.1)
+    pace = SessionPace(0.5, window_s=120.0, min_sessions=4, min_first=4, busy_band=0.1)
     for i in range(6):  # 4 round tokens each: a burst's sessions, 0.5 s a token
         pace.observe(i, 2.0, expected_calls=1, max_parallel=1, est_output_tokens=4, busy=0.8)
     pace.refresh(6.0)
@@ -305,7 +305,7 @@ def test_the_pace_is_read_for_the_fleet_as_busy_as_it_is_now() -> None:
     assert pace.at(0.3) == pytest.approx(0.1)
     # Sessions admitted by another replica and closed here: with too few of known busy to
     # read by, every session's pace.
-    elsewhere = SessionPace(0.5, window_s=120.0, min_sessions=4, busy_band=0.1)
+    elsewhere = SessionPace(0.5, window_s=120.0, min_sessions=4, min_first=4, busy_band=0.1)
     for i in range(6):
         busy = 0.8 if i < 2 else None
         elsewhere.observe(i, 2.0, expected_calls=1, max_parallel=1, est_output_tokens=4, busy=busy)
@@ -316,7 +316,7 @@ def test_the_pace_is_read_for_the_fleet_as_busy_as_it_is_now() -> None:
 def test_open_sessions_are_lower_bounds_on_the_pace() -> None:
     """A first burst has no ended session to learn from for as long as its sessions take: the
     sessions still open say how slow they are at least (loadtests/results/pace-by-busy)."""
-    pace = SessionPace(0.5, window_s=120.0, min_sessions=4)
+    pace = SessionPace(0.5, window_s=120.0, min_sessions=4, min_first=4)
     one = {"expected_calls": 1, "max_parallel": 1, "est_output_tokens": 10}
     for n in range(4):
         pace.opened(f"s{n}", float(n), **one, deadline_s=30.0)
@@ -342,14 +342,31 @@ def test_open_sessions_are_lower_bounds_on_the_pace() -> None:
     pace.forget_open()
     assert not pace.is_open("later")
     # Only so many are followed: the youngest beyond them are not.
-    few = SessionPace(0.5, min_sessions=2, max_open=2)
+    few = SessionPace(0.5, min_sessions=2, min_first=2, max_open=2)
     for n in range(3):
         few.opened(f"f{n}", float(n), **one, deadline_s=30.0)
     assert [few.is_open(f"f{n}") for n in range(3)] == [True, True, False]
 
 
+def test_a_first_pace_is_read_from_fewer_sessions_while_few_have_ended() -> None:
+    """Until ``min_sessions`` have ended, ``min_first`` sessions, ended or open, give a pace:
+    the first to end are the quickest and open ones are lower bounds, so it errs fast."""
+    pace = SessionPace(0.5, window_s=120.0, min_sessions=6, min_first=3)
+    one = {"expected_calls": 1, "max_parallel": 1, "est_output_tokens": 10}
+    pace.observe(1.0, 1.0, **one, session_id="first")  # 0.1 a token
+    pace.opened("a", 0.0, **one, deadline_s=30.0)
+    assert pace.refresh(2.0) is None  # two known: too few even for a first pace
+    pace.opened("b", 0.5, **one, deadline_s=30.0)
+    assert pace.refresh(2.0) == pytest.approx(0.15)  # 0.1, and a and b open 2 and 1.5 s
+    for n in range(5):  # six ended: the open ones count only where slower than them
+        pace.observe(3.0, 1.0, **one, session_id=f"e{n}")
+    assert pace.refresh(3.0) == pytest.approx(0.1)  # 0.1 x6, a 0.3 and b 0.25
+    with pytest.raises(ValueError, match="min_first"):
+        SessionPace(0.5, min_sessions=4, min_first=5)
+
+
 def test_open_sessions_are_read_by_how_busy_the_fleet_has_been_since_their_admission() -> None:
-    pace = SessionPace(0.5, window_s=120.0, min_sessions=2, busy_band=0.1)
+    pace = SessionPace(0.5, window_s=120.0, min_sessions=2, min_first=2, busy_band=0.1)
     one = {"expected_calls": 1, "max_parallel": 1, "est_output_tokens": 10}
     busy = FleetBusy()
     busy.step(0.0, 0.8)

@@ -336,7 +336,10 @@ class SessionPace:
     open for ``t`` seconds takes at least ``t`` (at most its deadline) over its round tokens.
     One already slower than the quantile of the sessions that ended is evidence that sessions
     are slowing, and counts beside them, with how busy the fleet has been since its admission;
-    where fewer than ``min_sessions`` have ended, every open one counts. Learned from ended
+    where fewer than ``min_sessions`` have ended, every open one counts, and ``min_first``
+    sessions (ended, or open) are enough for a pace: both err fast then (the first sessions to
+    end are the quickest, and an open one's bound is below its pace), so a pace read from so few
+    errs toward admitting, and the fleet's first burst has one. Learned from ended
     sessions alone, a front door's first burst had no pace for as long as its first sessions
     took, and admitted sessions that came back from their clients' retries with too little of
     their deadline left: 11 of the 12 admitted sessions that missed at 4x in one run were in
@@ -355,12 +358,19 @@ class SessionPace:
         max_samples: int = 512,
         busy_band: float = 0.15,
         max_open: int = 512,
+        min_first: int = 8,
     ) -> None:
-        if not 0 < quantile <= 1 or min_sessions < 2:
-            raise ValueError("the pace needs a quantile in (0, 1] and min_sessions >= 2")
+        if not 0 < quantile <= 1 or not 2 <= min_first <= min_sessions:
+            raise ValueError(
+                "the pace needs a quantile in (0, 1] and 2 <= min_first <= min_sessions"
+            )
         self.quantile = quantile
         self.window_s = window_s
         self.min_sessions = min_sessions
+        self.min_first = min_first
+        self._k = min_sessions
+        """How many sessions a pace is read from at least: ``min_sessions``, or ``min_first``
+        while fewer than that have ended (class doc)."""
         self.busy_band = busy_band
         self._paces: deque[tuple[float, float, float | None]] = deque(maxlen=max_samples)
         self.current: float | None = None
@@ -431,7 +441,8 @@ class SessionPace:
         if len(ended) >= self.min_sessions:
             estimate = self._quantile([pace for pace, _ in ended])
         samples = ended + self._lower_bounds(now_s, estimate, busy_so_far)
-        if len(samples) < self.min_sessions:
+        self._k = self.min_sessions if estimate is not None else self.min_first
+        if len(samples) < self._k:
             self.current = None
             self._by_busy = []
         else:
@@ -463,9 +474,10 @@ class SessionPace:
 
     def at(self, busy: float | None) -> float | None:
         """The pace for a session admitted with the fleet ``busy`` now (class doc): ``current``
-        where how busy is not known now, or for fewer than ``min_sessions`` of the sessions
-        learned from (another replica admitted the rest)."""
-        if self.current is None or busy is None or len(self._by_busy) < self.min_sessions:
+        where how busy is not known now, or for fewer than ``min_sessions`` (``min_first``
+        while fewer have ended) of the sessions learned from (another replica admitted the
+        rest)."""
+        if self.current is None or busy is None or len(self._by_busy) < self._k:
             return self.current  # too few sessions of known busy (others closed elsewhere)
         key = round(busy * 100)
         if key not in self._at:
@@ -473,7 +485,7 @@ class SessionPace:
         return self._at[key]
 
     def _at_busy(self, busy: float) -> float | None:
-        by_busy, k = self._by_busy, self.min_sessions
+        by_busy, k = self._by_busy, self._k
         # The sessions that ran at most a band busier than now, nearest first: those within
         # the band on both sides, or the busiest k of them where fewer are near.
         high = bisect.bisect_right(by_busy, (busy + self.busy_band, math.inf))
