@@ -325,9 +325,13 @@ class SessionPace:
     itself does, so ``at`` answers for the fleet as busy as it is now: the quantile over the
     sessions that ran with the fleet about as busy (within ``busy_band`` either side), or,
     where fewer than ``min_sessions`` did, over the busiest ``min_sessions`` of those at most
-    ``busy_band`` busier. A fleet less busy than all but a few of the sessions learned from has
-    no pace (``None``): its sessions will run at least as fast as those did, and a pace that
-    errs late would reject them on a guess. Read over every session of the window, the pace a
+    ``busy_band`` busier. A fleet less busy than all but a few of the sessions learned from
+    reads the fastest pace among the ``min_sessions`` least busy: its sessions will run at
+    least as fast as those did, and a quantile of theirs would err late and reject them on a
+    guess, while the decode speed alone (no pace at all) admitted sessions with too little of
+    their deadline left once a burst ended and the fleet emptied (3 of the 12 admitted
+    sessions that missed in one 4x run, ``loadtests/results/pace-first-burst``). Read over
+    every session of the window, the pace a
     burst taught outlived the burst: run right after 4x, 0.5x turned away 2, 3 and 0 of 25
     sessions as ``deadline_infeasible`` with the fleet a fifth to two fifths busy, and none in
     two runs read this way (``loadtests/results/pace-by-busy``).
@@ -490,7 +494,8 @@ class SessionPace:
         # the band on both sides, or the busiest k of them where fewer are near.
         high = bisect.bisect_right(by_busy, (busy + self.busy_band, math.inf))
         if high < k:
-            return None
+            # Quieter than all but a few of them: as fast as the fastest of the k least busy.
+            return min(pace for _, pace in by_busy[:k])
         low = min(bisect.bisect_left(by_busy, (busy - self.busy_band, -math.inf)), high - k)
         return self._quantile([pace for _, pace in by_busy[low:high]])
 
