@@ -637,6 +637,39 @@ async def test_sessions_that_took_long_make_a_session_left_too_little_deadline_a
     assert refused.value.attempts == 1
 
 
+async def test_sessions_still_open_make_a_session_left_too_little_deadline_a_reject(
+    door: Door,
+) -> None:
+    """Before any session has ended, the sessions still open bound the pace from below (8 of
+    them are enough for a first pace): a front door's first burst has one. Plain calls, whose
+    one-call sessions end without a ``DELETE``, never count as open."""
+    one = session_body(max_parallel=1, expected_calls=1, max_wait_s=0)
+    short = {**one, "deadline_s": 0.3}
+    async with door.client() as client:
+        for _ in range(10):
+            plain = await client.post("/v1/chat/completions", json=chat())
+            assert plain.status_code == 200, plain.text
+        await asyncio.sleep(SESSION_LENGTH_S)
+        before = await client.post("/v1/sessions", json=short)
+        assert before.status_code == 201, before.text  # plain calls taught nothing
+        await client.delete(f"/v1/sessions/{before.json()['id']}")
+        opened = [await client.post("/v1/sessions", json=one) for _ in range(8)]
+        assert [r.status_code for r in opened] == [201] * 8
+        # Open for 0.5 s, 50 tokens each: at least 10 ms a token, more than a session left
+        # 0.3 s for 50 tokens can afford; none of them closed.
+        await asyncio.sleep(SESSION_LENGTH_S)
+
+        async def ask() -> httpx.Response:
+            return await client.post("/v1/sessions", json=short)
+
+        after = await poll_until(ask, lambda r: r.status_code == 503, timeout_s=SETTLE_BOUND_S)
+        longer = await client.post("/v1/sessions", json={**one, "deadline_s": 30})
+        for resp in opened:
+            await client.delete(f"/v1/sessions/{resp.json()['id']}")
+    assert after.json()["error"]["code"] == "deadline_infeasible"
+    assert longer.status_code == 201, longer.text
+
+
 async def window(client: httpx.AsyncClient, tier: str = "standard") -> float:
     text = (await client.get("/metrics")).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
