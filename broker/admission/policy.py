@@ -213,31 +213,30 @@ def queued_ahead(fleet: FleetSnapshot, tier: Tier, max_age_s: float) -> int:
     return queued
 
 
+def _held_tokens(w: WorkerReading) -> int:
+    """The KV a worker has committed: the predicted peak of what it runs, or what the engine
+    holds where that is more (a used block counts whole)."""
+    used = math.ceil((w.kv_usage or 0.0) * (w.kv_capacity_tokens or 0))
+    return max(w.committed_tokens or 0, used)
+
+
 def uncommitted_tokens(fleet: FleetSnapshot, max_age_s: float) -> int:
-    """KV tokens the serving workers have not committed (by the predicted peak of what they
-    run, or what the engine holds where that is more), less ``fleet.unseen_tokens``; at most
-    the fleet's capacity, possibly negative."""
+    """KV tokens the serving workers have not committed (``_held_tokens``), less
+    ``fleet.unseen_tokens``; at most the fleet's capacity, possibly negative."""
     free = 0
     for w in _serving(fleet, max_age_s):
-        capacity = w.kv_capacity_tokens or 0
-        used = math.ceil((w.kv_usage or 0.0) * capacity)
-        free += capacity - max(w.committed_tokens or 0, used)
+        free += (w.kv_capacity_tokens or 0) - _held_tokens(w)
     return free - fleet.unseen_tokens
 
 
 def fleet_busy(fleet: FleetSnapshot, max_age_s: float) -> float | None:
-    """The share of the serving workers' KV that they have committed (by the predicted peak of
-    what they run, or what the engine holds where that is more); ``None`` with no fresh
-    reading of a cache's size."""
+    """The share of the serving workers' KV that they have committed (``_held_tokens``);
+    ``None`` with no fresh reading of a cache's size."""
     live = _serving(fleet, max_age_s)
     capacity = sum(w.kv_capacity_tokens or 0 for w in live)
     if capacity <= 0:
         return None
-    held = 0.0
-    for w in live:
-        used = (w.kv_usage or 0.0) * (w.kv_capacity_tokens or 0)
-        held += max(w.committed_tokens or 0, used)
-    return held / capacity
+    return sum(_held_tokens(w) for w in live) / capacity
 
 
 def fleet_has_room(fleet: FleetSnapshot, max_age_s: float, below: float) -> bool:
