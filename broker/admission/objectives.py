@@ -329,8 +329,9 @@ class SessionPace:
     reads the fastest pace among the ``min_sessions`` least busy: its sessions will run at
     least as fast as those did, and a quantile of theirs would err late and reject them on a
     guess, while the decode speed alone (no pace at all) admitted sessions with too little of
-    their deadline left once a burst ended and the fleet emptied (3 of the 12 admitted
-    sessions that missed in one 4x run, ``loadtests/results/pace-first-burst``). Read over
+    their deadline left once a burst's arrivals ended and the fleet emptied (8 of the 28
+    admitted sessions that missed their deadline at 4x in five runs,
+    ``loadtests/results/pace-first-burst``). Read over
     every session of the window, the pace a
     burst taught outlived the burst: run right after 4x, 0.5x turned away 2, 3 and 0 of 25
     sessions as ``deadline_infeasible`` with the fleet a fifth to two fifths busy, and none in
