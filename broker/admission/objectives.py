@@ -331,9 +331,8 @@ class SessionPace:
     guess, while the decode speed alone (no pace at all) admitted sessions with too little of
     their deadline left once a burst's arrivals ended and the fleet emptied (8 of the 28
     admitted sessions that missed their deadline at 4x in five runs,
-    ``loadtests/results/pace-first-burst``). Read over
-    every session of the window, the pace a
-    burst taught outlived the burst: run right after 4x, 0.5x turned away 2, 3 and 0 of 25
+    ``loadtests/results/pace-first-burst``). Read over every session of the window, the pace
+    a burst taught outlived the burst: run right after 4x, 0.5x turned away 2, 3 and 0 of 25
     sessions as ``deadline_infeasible`` with the fleet a fifth to two fifths busy, and none in
     two runs read this way (``loadtests/results/pace-by-busy``).
 
@@ -445,13 +444,17 @@ class SessionPace:
         estimate = None
         if len(ended) >= self.min_sessions:
             estimate = self._quantile([pace for pace, _ in ended])
-        samples = ended + self._lower_bounds(now_s, estimate, busy_so_far)
+        bounds = self._lower_bounds(now_s, estimate, busy_so_far)
+        samples = ended + bounds
         self._k = self.min_sessions if estimate is not None else self.min_first
         if len(samples) < self._k:
             self.current = None
             self._by_busy = []
         else:
-            self.current = self._quantile([pace for pace, _ in samples])
+            # With no open session counted, the samples are the ended ones: their quantile is
+            # the estimate already taken.
+            has_estimate = estimate is not None and not bounds
+            self.current = estimate if has_estimate else self._quantile([p for p, _ in samples])
             self._by_busy = sorted((busy, pace) for pace, busy in samples if busy is not None)
         return self.current
 
