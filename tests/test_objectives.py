@@ -398,7 +398,8 @@ def test_fleet_busy_averages_over_a_sessions_life_and_the_recent_past() -> None:
     assert busy.since("s1", 4.0) is None  # forgotten once read
     assert busy.since("other", 4.0) is None  # marked by no one here
     assert busy.since("s2", 4.0) == pytest.approx((0.6 + 0.2) / 2)
-    assert busy.now(4.0) == pytest.approx((0.6 + 0.2) / 2)  # the last 2 s
+    # Over the last 3 s, the median of the two sessions' lives (4 s and 2 s).
+    assert busy.now(4.0) == pytest.approx((0.6 * 2 + 0.2) / 3)
     busy.mark("s3", 4.0)
     busy.forget("s3")
     assert busy.since("s3", 5.0) is None
@@ -409,3 +410,39 @@ def test_fleet_busy_averages_over_a_sessions_life_and_the_recent_past() -> None:
     assert small.since("a", 1.0) is None and small.since("c", 1.0) == pytest.approx(0.5)
     small.step(61.0, 0.5)  # b's lease ran out long ago, and nobody closed it
     assert small.since("b", 61.0) is None
+
+
+def test_fleet_busy_now_spans_as_long_as_sessions_lived() -> None:
+    # 1 s busy at 0.9, then quiet: read over the last 2 s, the fleet looks half as busy as over
+    # the last 10 s, a session's life here. Sessions live as long as a pace they learn is read
+    # for: one admitted in a quiet moment of a busy minute lives through the busy part too.
+    busy = FleetBusy(recent_s=2.0, longest_s=30.0)
+    for t in range(0, 9):
+        busy.step(float(t), 0.9)
+    busy.step(9.0, 0.1)
+    busy.step(10.0, 0.1)
+    assert busy.span_s == 2.0  # no session has ended here yet
+    assert busy.now(10.0) == pytest.approx((0.9 + 0.1) / 2)
+    for name, admitted_s in (("a", 0.0), ("b", 2.0), ("c", 4.0)):
+        busy.mark(name, admitted_s)
+    busy.since("a", 10.0)  # lived 10 s
+    busy.since("b", 10.0)  # 8 s
+    busy.since("c", 10.0)  # 6 s
+    assert busy.span_s == 8.0  # their median
+    assert busy.now(10.0) == pytest.approx((0.9 * 7 + 0.1) / 8)
+    # Bounded: never shorter than recent_s, never longer than longest_s.
+    busy.mark("d", 10.0)
+    busy.since("d", 10.5)
+    busy.mark("e", 10.0)
+    busy.since("e", 10.5)
+    assert busy.span_s == 6.0
+    busy.mark("f", 10.0)
+    busy.since("f", 10.1)
+    busy.mark("g", 10.0)
+    busy.since("g", 10.1)
+    assert busy.span_s == 2.0
+    slow = FleetBusy(recent_s=2.0, longest_s=30.0)
+    slow.step(0.0, 0.5)
+    slow.mark("h", 0.0)
+    slow.since("h", 100.0)
+    assert slow.span_s == 30.0
