@@ -159,6 +159,9 @@ class ApiSettings(BaseSettings):
     # estimated as their calls end, that a tier must keep for its window to grow; below it the
     # window shrinks. Above the promised 95%: the windows learn from misses after the fact.
     admission_objective_target: float = Field(default=0.97, gt=0, le=1)
+    # A tier's window shrinks only once at least this many of its recent sessions missed: one
+    # lone miss is not a trend (broker/admission/objectives.py). 1: any miss below the target.
+    admission_objective_min_missed: int = Field(default=2, ge=1)
     # How long `POST /v1/sessions` may hold a session that does not fit now, waiting for room,
     # before it answers 503 with Retry-After; a session may ask for less (`max_wait_s`), and is
     # never held for more than half its deadline.

@@ -237,6 +237,29 @@ def test_too_few_calls_are_no_evidence_and_old_calls_leave_the_window() -> None:
     assert w.windows[B] == 2.0
 
 
+def test_a_lone_missed_session_is_no_violation_and_a_second_one_is() -> None:
+    w = ObjectiveWindows(WindowBounds(floor=1.0, ceiling=4.0, start=2.0))  # target 0.97
+    for n in range(24):  # 25 sessions of one call each: one missed is 96%, under the target
+        w.judge(Verdict(S, True, session=f"s{n}"), 1.0)
+    w.judge(Verdict(S, False, session="late"), 1.0)
+    assert w.attainment(S, 1.0) == pytest.approx((0.96, 25))
+    w.step(1.5)
+    assert w.windows[S] == 2.0 and not w.violated(S, 1.5)
+    w.judge(Verdict(S, False, session="late"), 2.0)  # the same session again: still one
+    w.step(2.5)
+    assert w.windows[S] == 2.0
+    w.judge(Verdict(S, False, session="later"), 3.0)
+    w.step(3.5)
+    assert w.windows[S] == pytest.approx(1.4)
+    # With one miss as enough, the first would have cut.
+    eager = ObjectiveWindows(WindowBounds(floor=1.0, ceiling=4.0, start=2.0, min_missed=1))
+    for n in range(24):
+        eager.judge(Verdict(S, True, session=f"s{n}"), 1.0)
+    eager.judge(Verdict(S, False, session="late"), 1.0)
+    eager.step(1.5)
+    assert eager.windows[S] == pytest.approx(1.4)
+
+
 def test_group_factors_are_the_smallest_window_at_or_above_each_group() -> None:
     w = ObjectiveWindows(WindowBounds(floor=1.0, ceiling=4.0, start=3.0))
     w.windows.update({G: 2.0, S: 3.0, B: 1.5})

@@ -701,15 +701,21 @@ async def test_admission_window_grows_while_turned_away_and_shrinks_on_missed_ob
     assert [r.status_code for r in held] == [201, 201]
     assert (first.status_code, first.json()["error"]["code"]) == (503, "tier_capacity")
     assert 1.0 < grown <= 16.0  # KVGATE_ADMISSION_KV_OVERCOMMIT_MAX
-    # A tenant whose own standard objective no call can meet: twenty calls that all miss
-    # (min_calls) cut the standard window, and best-effort's below it, by 0.7.
+    # A tenant whose own standard objective no call can meet: twenty calls (min_calls) of two
+    # sessions (min_missed: one missed session is not a trend) that all miss cut the standard
+    # window, and best-effort's below it, by 0.7.
     async with door.client(STRICT) as strict:
-        sid = (await strict.post("/v1/sessions", json=session_body(max_parallel=4))).json()["id"]
+        sids = [
+            (await strict.post("/v1/sessions", json=session_body(max_parallel=4))).json()["id"]
+            for _ in range(2)
+        ]
         before = await window(strict)
         calls = await asyncio.gather(
             *(
-                strict.post("/v1/chat/completions", json=chat(4), headers={"X-Kvgate-Session": sid})
-                for _ in range(20)
+                strict.post(
+                    "/v1/chat/completions", json=chat(4), headers={"X-Kvgate-Session": sids[n % 2]}
+                )
+                for n in range(20)
             )
         )
         cut = await poll_until(

@@ -175,6 +175,7 @@ class Admitter:
                 floor=settings.admission_kv_overcommit,
                 ceiling=max(settings.admission_kv_overcommit, settings.admission_kv_overcommit_max),
                 target=settings.admission_objective_target,
+                min_missed=settings.admission_objective_min_missed,
             )
         )
         q = settings.admission_pace_quantile

@@ -61,7 +61,13 @@ factor on the fleet's KV capacity, moves by additive increase and multiplicative
   cut left: its verdicts are not counted for the tier. Otherwise the misses of the sessions
   admitted under the wide window would go on cutting the narrower one for a round trip
   after the first cut;
-- with fewer than ``min_calls`` calls judged, a tier is never in violation.
+- with fewer than ``min_calls`` calls judged, or fewer than ``min_missed`` of its sessions
+  missed, a tier is never in violation. A lone miss is not a trend (TCP likewise waits for three
+  duplicate acknowledgements before it takes a reordering for a loss): at the target of 0.97 one
+  missed session among fewer than 33 in the window fell below it, and the cut that followed
+  left the windows full of reservations while the fleet ran half empty. In six alternating
+  pairs of CPU sweeps, two misses against one: admitted sessions good at 4x 95.4% against
+  90.9%, no run's windows cut at 1x against three of six (``loadtests/results/lone-miss``).
 
 Invariants a change must keep: every window stays within ``[floor, ceiling]``; the factor of a
 nested tier group (a tier and all tiers below it, as ``broker.admission.tenants`` shares nest) is
@@ -128,6 +134,8 @@ class WindowBounds:
     window_s: float = 20.0
     """Calls judged longer ago than this no longer count."""
     min_calls: int = 20
+    min_missed: int = 2
+    """Sessions that must have missed in the window for a violation (module doc)."""
     decrease: float = 0.7
     decrease_above: float = 0.9
     """The cut of the tiers above a violating one (module doc)."""
@@ -224,18 +232,26 @@ class ObjectiveWindows:
     def attainment(self, tier: Tier, now_s: float) -> tuple[float | None, int]:
         """The share of the tier's sessions judged in the window that met their objectives
         (``None`` with none; module doc), and how many calls were judged."""
+        share, _, n = self._tally(tier, now_s)
+        return share, n
+
+    def _tally(self, tier: Tier, now_s: float) -> tuple[float | None, float, int]:
+        """``attainment``, with the sessions that missed in the window."""
         judged = self._judged[tier]
         while judged and judged[0].at_s < now_s - self.bounds.window_s:
             judged.popleft()
         sessions = sum(j.sessions for j in judged)
         if sessions <= 0:
-            return None, len(judged)
+            return None, 0.0, len(judged)
         missed = sum(j.missed for j in judged)
-        return max(0.0, 1.0 - missed / sessions), len(judged)
+        return max(0.0, 1.0 - missed / sessions), missed, len(judged)
 
     def violated(self, tier: Tier, now_s: float) -> bool:
-        share, n = self.attainment(tier, now_s)
-        return share is not None and n >= self.bounds.min_calls and share < self.bounds.target
+        b = self.bounds
+        share, missed, n = self._tally(tier, now_s)
+        if share is None or n < b.min_calls or missed < b.min_missed:
+            return False
+        return share < b.target
 
     def meeting(self, tier: Tier, now_s: float) -> bool:
         """Enough of the tier's calls judged, and they meet the target."""
