@@ -32,7 +32,7 @@ types: $(STAMP)
 check: lint types
 
 # The agent-session sweep (loadtests/sweep.py), CPU-sized: direct vLLM vs kvgate per-call and
-# session admission from 0.5x to 4x of measured capacity, 3 repeats (under 20 min on 2 cores).
+# session admission from 0.5x to 4x of measured capacity, 3 repeats (about 20 min on 2 cores).
 bench: $(STAMP)
 	$(VENV)/bin/kvgate model build .kvgate/model
 	$(PY) -m loadtests.sweep --profile cpu --model .kvgate/model

@@ -96,7 +96,7 @@ def _markdown(
         f"{manifest['capacity_rule']}."
         + (
             " Probes: "
-            + ", ".join(f"{p['rate']:.3f}/s → {p['good_share']:.0%} good" for p in probes)
+            + ", ".join(f"{p['rate']:.3f}/s → {_probe_shares(p)} good" for p in probes)
             + "."
             if probes
             else " (capacity given, not searched)."
@@ -293,3 +293,10 @@ def _plots(run: Path, summary: dict[str, Any], points: Sequence[PointResult]) ->
         plt.close(fig)
         made.append("kv_and_queue.png")
     return made
+
+
+def _probe_shares(probe: dict[str, Any]) -> str:
+    """A capacity probe's good share, one per trace it ran (before the search ran several
+    traces a rate, the one share)."""
+    shares = probe.get("shares") or [probe["good_share"]]
+    return " / ".join(f"{share:.0%}" for share in shares)

@@ -4,8 +4,9 @@ One run, on one engine configuration:
 
 1. direct vLLM: the unloaded latency (sequential calls of the workload's median size) sets the
    objectives; capacity is searched (the highest session rate at which, with no admission,
-   90% of sessions finish within objectives); then every load (0.5x-4x of capacity) is run
-   ``repeats`` times;
+   90% of sessions finish within objectives on most of the sweep's own traces: each rate is
+   probed with the first ``repeats`` seeds, so the 1x point replays what capacity was judged
+   on); then every load (0.5x-4x of capacity) is run ``repeats`` times;
 2. kvgate (NATS, one worker, the front door), per-call admission: the same points;
 3. kvgate, session admission: the same points.
 
@@ -15,7 +16,8 @@ the same sessions). Output: a run folder with ``manifest.json``, ``summary.json`
 plots and ``report.md``.
 
 Run: ``.venv/bin/python -m loadtests.sweep`` (``make bench``: the CPU profile, under 20 minutes
-on a 2-core machine). ``--help`` lists every parameter.
+on a 2-core machine when each capacity probe ran one trace; two or three now, a few minutes
+more). ``--help`` lists every parameter.
 """
 
 from __future__ import annotations
@@ -99,6 +101,10 @@ class Profile:
     capacity_step: float = 1.5
     capacity_threshold: float = 0.9
     capacity_max_probes: int = 7
+    capacity_repeats: int | None = None
+    """Traces each capacity probe runs (the sweep's own seeds, the first ones): ``repeats``
+    where unset, so direct vLLM's 1x point replays the traces capacity was judged on
+    (``loadtests.capacity.CapacitySearch.repeats``)."""
     ttft_factor: float = 30.0
     tpot_factor: float = 10.0
     unloaded_ms: tuple[float, float] | None = None
@@ -113,6 +119,11 @@ class Profile:
     seed: int = 7
     modes: tuple[Mode, ...] = (Mode.DIRECT, Mode.KVGATE_CALL, Mode.KVGATE_SESSION)
     sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def probe_repeats(self) -> int:
+        """Traces each capacity probe runs (``capacity_repeats``)."""
+        return self.repeats if self.capacity_repeats is None else self.capacity_repeats
 
 
 def cpu_profile() -> Profile:
@@ -314,13 +325,15 @@ class Sweep:
             step=self.profile.capacity_step,
             threshold=self.profile.capacity_threshold,
             max_probes=self.profile.capacity_max_probes,
+            repeats=self.profile.probe_repeats,
         )
         self.search = search
 
-        async def probe(rate: float) -> float:
-            self.bar.set_description(f"capacity: {rate:.2f} sessions/s") if self.bar else None
-            seed = self.profile.seed + 1000 + len(search.probes)
-            point = await self._point(server, Mode.DIRECT, http, None, rate, 0, seed)
+        async def probe(rate: float, repeat: int) -> float:
+            if self.bar:
+                self.bar.set_description(f"capacity: {rate:.2f} sessions/s #{repeat + 1}")
+            seed = self.profile.seed + repeat  # the sweep's own traces (Profile.capacity_repeats)
+            point = await self._point(server, Mode.DIRECT, http, None, rate, repeat, seed)
             share = point.summary["session_goodput_fraction"]
             return 0.0 if share is None else float(share)
 
@@ -440,7 +453,10 @@ class Sweep:
         return {
             "capacity_sessions_per_s": self.capacity,
             "capacity_probes": [
-                {"rate": r, "good_share": s} for r, s in (self.search.probes if self.search else [])
+                {"rate": r, "good_share": s, "shares": list(shares)}
+                for (r, s), shares in (
+                    zip(self.search.probes, self.search.shares, strict=True) if self.search else []
+                )
             ],
             "objectives": self.objectives.to_json(),
             "unloaded": self.unloaded,
@@ -529,14 +545,15 @@ class Sweep:
             "capacity_rule": (
                 f"highest rate with >= {profile.capacity_threshold:.0%} of sessions good on "
                 f"direct vLLM (no admission), search from {profile.capacity_start:g}/s by "
-                f"x{profile.capacity_step:g}, at most {profile.capacity_max_probes} probes"
+                f"x{profile.capacity_step:g}, at most {profile.capacity_max_probes} probes, each "
+                f"held by most of {profile.probe_repeats} traces (the sweep's first seeds)"
             ),
             "loads": list(profile.loads),
             "repeats": profile.repeats,
             "window_s": profile.window_s,
             "seeds": {
                 "sweep": [profile.seed + r for r in range(profile.repeats)],
-                "capacity_probes": profile.seed + 1000,
+                "capacity_probes": [profile.seed + r for r in range(profile.probe_repeats)],
             },
             "kvgate": {
                 "settings": "kvgate's defaults, but for the environment below",
@@ -736,6 +753,8 @@ def parameter_sources(profile: Profile) -> dict[str, dict[str, Any]]:
         source = profile.sources.get(f.name, "profile default")
         if f.name == "capacity" and value is None:
             source = "measured in this run (see capacity_rule)"
+        if f.name == "capacity_repeats" and value is None:
+            value, source = profile.probe_repeats, "the sweep's repeats"
         out[f.name] = {"value": value, "source": source}
     out["workload"] = {
         "value": profile.workload.to_json(),
@@ -764,6 +783,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--window", type=float, dest="window_s", help="arrival window, s")
     parser.add_argument("--capacity", type=float, help="sessions/s; skips the search")
     parser.add_argument("--capacity-start", type=float)
+    parser.add_argument(
+        "--capacity-repeats",
+        type=int,
+        help="traces each capacity probe runs (default: --repeats)",
+    )
     parser.add_argument("--ttft-factor", type=float)
     parser.add_argument("--tpot-factor", type=float)
     parser.add_argument(
@@ -793,6 +817,7 @@ def profile_from(args: argparse.Namespace) -> Profile:
         "window_s": args.window_s,
         "capacity": args.capacity,
         "capacity_start": args.capacity_start,
+        "capacity_repeats": args.capacity_repeats,
         "ttft_factor": args.ttft_factor,
         "tpot_factor": args.tpot_factor,
         "engine_blocks": args.engine_blocks,

@@ -166,7 +166,7 @@ def test_targets_compare_against_kvgates_own_peak_and_direct() -> None:
 
 async def test_capacity_is_the_highest_rate_that_holds() -> None:
     # Good share falls off past 2.6 sessions/s.
-    async def probe(rate: float) -> float:
+    async def probe(rate: float, repeat: int) -> float:
         return 1.0 if rate <= 2.6 else 0.5
 
     search = CapacitySearch(start=1.0, step=1.5)
@@ -178,7 +178,7 @@ async def test_capacity_is_the_highest_rate_that_holds() -> None:
 
 
 async def test_capacity_search_steps_down_when_the_first_rate_fails() -> None:
-    async def probe(rate: float) -> float:
+    async def probe(rate: float, repeat: int) -> float:
         return 0.95 if rate <= 0.3 else 0.1
 
     search = CapacitySearch(start=1.0, step=2.0)
@@ -188,9 +188,35 @@ async def test_capacity_search_steps_down_when_the_first_rate_fails() -> None:
 
 
 async def test_capacity_search_gives_up_after_its_probes() -> None:
-    async def probe(rate: float) -> float:
+    async def probe(rate: float, repeat: int) -> float:
         return 0.0
 
     search = CapacitySearch(start=1.0, step=2.0, max_probes=3)
     assert await search.run(probe) == 0.25
     assert len(search.probes) == 3
+
+
+async def test_a_rate_holds_where_most_of_its_traces_do() -> None:
+    """One lucky trace does not pass a rate: each rate runs up to ``repeats`` traces (the
+    sweep's own seeds) and holds where most of them held, stopping once that is decided."""
+    # Trace 0 is lucky up to 2.25/s; traces 1 and 2 hold only up to 1.5/s.
+    limits = {0: 2.3, 1: 1.6, 2: 1.6}
+    runs: list[tuple[float, int]] = []
+
+    async def probe(rate: float, repeat: int) -> float:
+        runs.append((round(rate, 3), repeat))
+        return 1.0 if rate <= limits[repeat] else 0.4
+
+    search = CapacitySearch(start=1.0, step=1.5, repeats=3)
+    assert await search.run(probe) == pytest.approx(1.5)
+    assert [round(r, 3) for r, _ in search.probes] == [1.0, 1.5, 2.25, 1.837]
+    # 1.0 and 1.5 held on their first two traces (most of three: the third is not run);
+    # 2.25 and the middle (1.837) held on the lucky trace only.
+    assert search.shares == [(1.0, 1.0), (1.0, 1.0), (1.0, 0.4, 0.4), (1.0, 0.4, 0.4)]
+    assert [share for _, share in search.probes] == [1.0, 1.0, 0.4, 0.4]
+    assert runs[:2] == [(1.0, 0), (1.0, 1)]
+    # One trace a rate, as before: the lucky trace alone would have passed 2.25/s.
+    lucky = CapacitySearch(start=1.0, step=1.5)
+    assert await lucky.run(probe) == pytest.approx(2.25)
+    with pytest.raises(ValueError, match="at least one trace"):
+        CapacitySearch(start=1.0, repeats=0)

@@ -72,14 +72,14 @@ HOLD_POLL_S = 0.25
 """How often a held session is decided again with no release seen here (each time one read of
 the shared state): a release on another replica, or a worker's reading, is seen this late."""
 UNSEEN_MARGIN_MS = 250
+"""A session admitted this long before a worker's reading may not have started its calls when
+the reading was taken: its reservation still counts as unseen (counting twice errs safe)."""
 ACTIVE_SESSIONS_READ_S = 5.0
 """How often the live sessions per tier and tenant are read for the metrics and the dashboard
 (one Redis round trip; they are not on any decision's path)."""
 HEAL_INTERVAL_S = 60.0
 """How often the shared state's totals are recomputed from its leases (``AdmissionState.heal``):
 an O(leases) script, cheap once a minute, and a drift is never older than this."""
-"""A session admitted this long before a worker's reading may not have started its calls when
-the reading was taken: its reservation still counts as unseen (counting twice errs safe)."""
 HELD_REASONS = frozenset({Reason.TIER_CAPACITY, Reason.FLEET_SATURATED})
 """Deferrals for want of room, which a short wait can end; the others (no workers, draining,
 shared state unreachable) are answered at once."""
