@@ -59,11 +59,12 @@ class CapacitySearch:
     async def _probe(self, probe: Callable[[float, int], Awaitable[float]], rate: float) -> bool:
         most = self.repeats // 2 + 1
         shares: list[float] = []
+        held = 0
         for repeat in range(self.repeats):
             shares.append(await probe(rate, repeat))
-            held = sum(share >= self.threshold for share in shares)
+            held += shares[-1] >= self.threshold
             if held >= most or len(shares) - held > self.repeats - most:
                 break
         self.probes.append((rate, statistics.median(shares)))
         self.shares.append(tuple(shares))
-        return sum(share >= self.threshold for share in shares) >= most
+        return held >= most
