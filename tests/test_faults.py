@@ -38,6 +38,9 @@ WORKERS_READY_BOUND_S = 240
 """Two vLLM CPU workers starting side by side on two cores (~30 s each alone)."""
 SURVIVOR_CANCEL_BOUND_S = 30
 """For a survivor's heartbeat (every 0.2 s) to show the redelivered attempt it cancelled."""
+KILLED_EXIT_BOUND_S = 60
+"""How long a process SIGKILLed may take to be gone. It is reaped at once on an idle machine;
+on the loaded 2-core CI host a front door killed mid-stream once took longer than 10 s."""
 ORPHANS = 24
 """Streamed calls in flight through a front door that is then killed: two of 900 tokens fit in
 each worker's cache at a time, so most are still queued when it dies."""
@@ -132,7 +135,7 @@ class FirstTokens:
 
 def kill(proc: Proc) -> None:
     os.killpg(proc.pid, signal.SIGKILL)  # the worker and its engine core process
-    proc.wait(10)
+    proc.wait(KILLED_EXIT_BOUND_S)
     proc.stop()
 
 
