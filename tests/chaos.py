@@ -130,6 +130,9 @@ class LoadShape:
     batch_sessions: int = 3
     batch_calls_per_session: int = 3
     batch_tokens: int = CALL_TOKENS
+    batch_tier: str = "besteffort"
+    """The batch's tier; a test that parks a tier's consumer moves the batch off it, so that
+    the parked calls are the tier's only ones."""
 
 
 @dataclass
@@ -428,6 +431,7 @@ class MixedLoad:
                 "input_file_id": uploaded.json()["id"],
                 "endpoint": "/v1/chat/completions",
                 "completion_window": "1h",
+                "tier": self.shape.batch_tier,
             },
         )
         assert created.status_code == 201, created.text
