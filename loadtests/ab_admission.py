@@ -44,7 +44,7 @@ from broker.natsserver import EmbeddedNats
 from broker.procs import Proc, free_port, wait_http
 from kvgate.cli import COMMAND
 from loadtests import stats
-from loadtests.bench_admission import SESSION, paced
+from loadtests.bench_admission import SESSION, client_collections_paused, paced
 from loadtests.heartbeats import keep_beating
 from schemas.wire import WORKERS_BUCKET
 
@@ -171,14 +171,15 @@ async def one_repeat(
         order = sorted(doors) if i % 2 == 0 else sorted(doors, reverse=True)
         for name in order:
             proc, base = doors[name]
-            cpu_before, started = cpu_s(proc.pid), time.perf_counter()
-            if args.rate:
-                admitted = await open_loop(
-                    base, args.slice_s, args.rate, latencies[name], statuses[name]
-                )
-            else:
-                admitted = await closed_loop(base, args.slice_s, args.concurrency)
-            totals[name]["seconds"] += time.perf_counter() - started
+            with client_collections_paused():
+                cpu_before, started = cpu_s(proc.pid), time.perf_counter()
+                if args.rate:
+                    admitted = await open_loop(
+                        base, args.slice_s, args.rate, latencies[name], statuses[name]
+                    )
+                else:
+                    admitted = await closed_loop(base, args.slice_s, args.concurrency)
+                totals[name]["seconds"] += time.perf_counter() - started
             totals[name]["cpu_s"] += cpu_s(proc.pid) - cpu_before
             totals[name]["sessions"] += admitted
     out: dict[str, dict[str, Any]] = {}
